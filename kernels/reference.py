@@ -1,0 +1,167 @@
+"""Plain-PyTorch versions of every fused op: the CPU backend and the test oracle.
+
+Each function here has a Triton twin with the same signature in its own file
+under kernels/; `kernels.ops` picks one by device. Math is done in float32 and
+cast back to the input dtype at the end.
+
+The paged KV cache (one layer):
+    k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]   model dtype or int8
+    k_scale, v_scale  [num_blocks, block_size, num_kv_heads, head_dim // G]  float16, int8 cache only
+A token's slot is block_id * block_size + offset; sequence b's tokens live in
+the blocks block_tables[b, 0], block_tables[b, 1], ... in order.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from eightbit.quant.int8 import dequantize_groups, quantize_groups, quantize_per_token
+
+# --- norms, activations, per-token quantization ------------------------------------------
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """(x + residual) -> RMSNorm. Returns (normed in x.dtype, the new residual or None).
+
+    With a residual, the sum x + residual is both normalized and returned as the
+    next layer's residual (the pre-norm transformer's running stream).
+    """
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+        residual = x
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype), residual
+
+
+def rmsnorm_quant(x, weight, eps, residual=None):
+    """rms_norm, then per-token int8. Returns (q int8, scale f32 [M, 1], new residual or None)."""
+    out, residual = rms_norm(x, weight, eps, residual)
+    q, scale = quant_per_token(out)
+    return q, scale, residual
+
+
+def silu_mul(gate_up):
+    """gate_up [M, 2I] (gate first, then up) -> SiLU(gate) * up [M, I]."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def silu_mul_quant(gate_up):
+    """silu_mul, then per-token int8 -> (q int8 [M, I], scale f32 [M, 1])."""
+    return quant_per_token(silu_mul(gate_up))
+
+
+def quant_per_token(x):
+    """x [M, K] -> (int8 [M, K], float32 scale [M, 1]). The input is first rounded to its own dtype."""
+    return quantize_per_token(x)
+
+
+def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias)."""
+    acc = _int8_matmul(x_q, w_q)
+    out = acc.float() * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _int8_matmul(a, b):
+    # torch._int_mm wants M > 16 on CUDA and K, N multiples of 8; on the CPU it takes any shape.
+    if a.device.type == "cpu":
+        return torch._int_mm(a.contiguous(), b.t().contiguous())
+    return (a.double() @ b.double().t()).to(torch.int32)  # exact: |sum| < 2^53
+
+
+# --- rotary embedding and the KV-cache write ---------------------------------------------
+
+
+def rotary(q, k, positions, cos_sin_cache):
+    """Rotate-half RoPE (HF Llama) on q [T, Hq, D] and k [T, Hkv, D].
+
+    cos_sin_cache [max_pos, D] float32 holds cos in its first D/2 columns and sin in the rest.
+    """
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    """Store k, v [T, Hkv, D] at their slots; quantize in groups if the cache is int8. In place.
+
+    A slot of -1 means "do not store" (padding)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for x, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+        flat = cache.view(-1, *cache.shape[2:])
+        if scale is None:
+            flat[slots] = x.to(cache.dtype)
+        else:
+            group_size = cache.shape[-1] // scale.shape[-1]
+            q, s = quantize_groups(x, group_size, scale.dtype)
+            flat[slots] = q
+            scale.view(-1, *scale.shape[2:])[slots] = s
+
+
+def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    """RoPE on q and k, then k and v into the paged cache. Returns the rotated q."""
+    q, k = rotary(q, k, positions, cos_sin_cache)
+    kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    return q
+
+
+def gather_kv(cache, scale, block_table, length):
+    """The first `length` tokens of one sequence from the paged cache, dequantized: [length, Hkv, D] f32."""
+    block_size = cache.shape[1]
+    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    x = cache[blocks].flatten(0, 1)[:length]
+    if scale is None:
+        return x.float()
+    return dequantize_groups(x, scale[blocks].flatten(0, 1)[:length])
+
+
+# --- attention ---------------------------------------------------------------------------
+
+
+def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, softmax_scale):
+    """Causal varlen attention of packed queries over the paged cache.
+
+    q [T, Hq, D]: the queries of B sequences packed back to back; sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] and these are its last tokens, so the i-th of its
+    n queries sits at position seq_lens[b] - n + i and sees keys 0..that position, all
+    read from the cache (kv_write has already stored the new ones). GQA: query head h
+    uses kv head h // (Hq // Hkv). Returns [T, Hq, D] in q.dtype.
+    """
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        k = gather_kv(k_cache, k_scale, block_tables[b], length)
+        v = gather_kv(v_cache, v_scale, block_tables[b], length)
+        out[s:e] = _attend(q[s:e], k, v, softmax_scale, first_pos=length - (e - s))
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, softmax_scale):
+    """One query per sequence: q [B, Hq, D] at position seq_lens[b] - 1. Returns [B, Hq, D]."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu, seq_lens, softmax_scale)
+
+
+def _attend(q, k, v, softmax_scale, first_pos):
+    """q [n, Hq, D] at positions first_pos.., k/v [L, Hkv, D] float32 -> [n, Hq, D]."""
+    n, hq, _ = q.shape
+    group = hq // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * softmax_scale
+    q_pos = torch.arange(n, device=q.device).unsqueeze(1) + first_pos
+    k_pos = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

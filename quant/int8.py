@@ -1,0 +1,67 @@
+"""Symmetric int8 quantization math in plain PyTorch.
+
+This is the definition of every int8 format eightbit uses; the Triton kernels
+must reproduce it (up to a rounding tie). All arithmetic is float32:
+
+    scale = absmax / 127            (absmax over the reduced elements)
+    q     = round(x * (127 / absmax)), clamped to [-127, 127]
+    x    ~= q * scale
+
+An all-zero row or group gets scale 0 and q 0 (no division by zero). -128 is
+never produced, but every consumer must accept it in its inputs.
+"""
+
+import torch
+
+QMAX = 127.0
+
+
+def _quantize(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    inv = torch.where(absmax > 0, QMAX / absmax, torch.zeros_like(absmax))
+    return torch.round(x * inv).clamp_(-QMAX, QMAX).to(torch.int8)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (int8 [..., K], float32 scale [..., 1]); one scale per row."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    return _quantize(xf, absmax), absmax / QMAX
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [N, K] -> (int8 [N, K], float32 scale [N, 1]); one scale per output channel."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
+    return quantize_per_token(w)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of the per-token / per-channel quantizers (scale broadcasts over the last dim)."""
+    return (q.float() * scale.float()).to(dtype)
+
+
+def quantize_groups(
+    x: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], scale [..., D // group_size]) in groups along the last dim.
+
+    The scale is rounded to `scale_dtype` first and q is computed from the rounded
+    scale, so dequantization uses exactly the scale that quantization divided by.
+    """
+    d = x.shape[-1]
+    if d % group_size:
+        raise ValueError(f"group size {group_size} does not divide the last dimension {d}")
+    g = x.float().unflatten(-1, (d // group_size, group_size))
+    scale = (g.abs().amax(dim=-1) / QMAX).to(scale_dtype)
+    s = scale.float().unsqueeze(-1)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = torch.round(g * inv).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.flatten(-2), scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_groups: q [..., D], scale [..., D // G] -> [..., D]."""
+    d = q.shape[-1]
+    groups = scale.shape[-1]
+    g = q.float().unflatten(-1, (groups, d // groups)) * scale.float().unsqueeze(-1)
+    return g.flatten(-2).to(dtype)
