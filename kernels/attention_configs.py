@@ -1,0 +1,71 @@
+"""Block sizes for the attention kernels, chosen ahead of time (never autotuned at run time).
+
+Keys are (head_dim, cache kind), where the cache kind is "int8" (group-quantized values +
+float16 scales) or "float" (the model dtype). A head_dim missing from a table falls back to
+the nearest entry below it (the kernels need a power-of-two head_dim anyway).
+
+How the numbers were picked: eval/bench_attention.py sweeps a few candidates per shape on the
+GPU (see docs/benchmarks/attention.md for the card and the date) and the best went here.
+
+    prefill: BLOCK_M queries x BLOCK_N keys per step (BLOCK_N may span several cache pages)
+    decode:  BLOCK_N keys per step, for one sequence and the whole group of query heads that
+             share a KV head (padded to >= 16 rows for tl.dot)
+"""
+
+# (head_dim, cache kind) -> launch parameters
+PREFILL = {
+    (64, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    (64, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    (128, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+}
+
+DECODE = {
+    (64, "float"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    (64, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    (128, "float"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    (128, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
+}
+
+# FlashDecoding split heuristic (decode): aim for about this many programs per multiprocessor,
+# but never give a split fewer than MIN_TOKENS_PER_SPLIT keys of the longest possible
+# context (block_tables.shape[1] * page size), and never more than MAX_SPLITS splits.
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MIN_TOKENS_PER_SPLIT = 256
+DECODE_MAX_SPLITS = 64
+DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
+
+# The reduce kernel and kv_write are tiny; one setting each.
+REDUCE = dict(num_warps=4)
+KV_WRITE = dict(num_warps=4)
+
+
+def cache_kind(cache_dtype) -> str:
+    import torch
+
+    return "int8" if cache_dtype == torch.int8 else "float"
+
+
+def _lookup(table, head_dim, kind):
+    if (head_dim, kind) in table:
+        return dict(table[(head_dim, kind)])
+    dims = sorted(d for d, k in table if k == kind)
+    below = [d for d in dims if d <= head_dim]
+    return dict(table[(below[-1] if below else dims[0], kind)])
+
+
+def prefill_config(head_dim, cache_dtype):
+    return _lookup(PREFILL, head_dim, cache_kind(cache_dtype))
+
+
+def decode_config(head_dim, cache_dtype):
+    return _lookup(DECODE, head_dim, cache_kind(cache_dtype))
+
+
+def decode_num_splits(batch, num_kv_heads, max_context, sm_count=None):
+    """Splits along the context for the FlashDecoding kernel, from shapes only (graph-safe)."""
+    sm = sm_count or DEFAULT_SM_COUNT
+    programs = max(1, batch * num_kv_heads)
+    want = -(-(DECODE_PROGRAMS_PER_SM * sm) // programs)
+    cap = max(1, max_context // DECODE_MIN_TOKENS_PER_SPLIT)
+    return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))

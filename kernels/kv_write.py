@@ -1,0 +1,209 @@
+"""RoPE + paged KV-cache write in one pass (Triton twins of reference.rope_kv_write / kv_write).
+
+One program per token. It loads the token's cos/sin row once, rotates every query head
+and every key head (rotate-half, HF Llama: the first half pairs with the second half), and
+writes k and v into the token's cache slot (slot = block * page_size + offset; -1 = skip).
+
+Rotation of a whole head row at once: column c takes its partner c + D/2 (mod D), so
+
+    out[c] = x[c] * cos[c mod D/2] + sign(c) * x[partner(c)] * sin[c mod D/2],  sign = -1 for c < D/2.
+
+As in the reference, the rotated q and k are rounded to their own dtype; the int8 cache then
+quantizes that rounded k exactly as quant.int8.quantize_groups does: per token and head, in
+groups of G along head_dim, scale = fp16(absmax / 127), q = round_half_even(x * (1 / scale)),
+clamped to [-127, 127]; an all-zero group gets scale 0 and q 0. A float cache stores the value
+cast to the cache dtype.
+
+The rotated q goes to a NEW tensor (contiguous [T, Hq, D], q.dtype); q itself is not changed.
+Inputs may be strided views (e.g. slices of a fused qkv output) as long as head_dim is
+contiguous. head_dim must be a power of two.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_configs import KV_WRITE
+
+
+@triton.jit
+def _round_half_even(y):
+    # torch.round semantics without libdevice (the interpreter has none): floor(y + 0.5),
+    # then undo the round-up on exact ties that landed on an odd integer.
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (tl.floor(r * 0.5) * 2.0) != r
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _store_head_rows(
+    x,  # [H_PAD, D] float32, already rounded to the input dtype
+    cache_ptr, scale_ptr, cache_base, scale_base, stride_ch, stride_sh, rows, cols,
+    H: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
+):
+    mask = (rows < H)[:, None]
+    if QUANT:
+        NG: tl.constexpr = HEAD_DIM // GROUP
+        g = tl.reshape(x, (H_PAD, NG, GROUP))
+        absmax = tl.max(tl.abs(g), axis=2)  # [H_PAD, NG]
+        scale = tl.math.div_rn(absmax, 127.0).to(scale_ptr.dtype.element_ty)
+        s = scale.to(tl.float32)
+        inv = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)
+        qv = _round_half_even(g * inv[:, :, None])
+        qv = tl.minimum(tl.maximum(qv, -127.0), 127.0).to(tl.int8)
+        qv = tl.reshape(qv, (H_PAD, HEAD_DIM))
+        tl.store(cache_ptr + cache_base + rows[:, None] * stride_ch + cols[None, :], qv, mask=mask)
+        gcols = tl.arange(0, NG)
+        tl.store(scale_ptr + scale_base + rows[:, None] * stride_sh + gcols[None, :], scale, mask=mask)
+    else:
+        tl.store(cache_ptr + cache_base + rows[:, None] * stride_ch + cols[None, :],
+                 x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
+    # strides (elements; head_dim is contiguous everywhere)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_cs,
+    stride_kcb, stride_kcp, stride_kch, stride_vcb, stride_vcp, stride_vch,
+    stride_ksb, stride_ksp, stride_ksh, stride_vsb, stride_vsp, stride_vsh,
+    # sizes
+    HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    # modes
+    ROPE: tl.constexpr, QUANT: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, HEAD_DIM)
+    kv_rows = tl.arange(0, HKV_PAD)
+    kv_mask = (kv_rows < HKV)[:, None]
+
+    k = tl.load(k_ptr + t * stride_kt + kv_rows[:, None] * stride_kh + cols[None, :], mask=kv_mask, other=0.0)
+    if ROPE:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        j = cols % HALF
+        partner = (cols + HALF) % HEAD_DIM
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + j).to(tl.float32)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j).to(tl.float32)[None, :]
+        sign = tl.where(cols < HALF, -1.0, 1.0)[None, :]
+        # queries
+        q_rows = tl.arange(0, HQ_PAD)
+        q_mask = (q_rows < HQ)[:, None]
+        q_base = q_ptr + t * stride_qt + q_rows[:, None] * stride_qh
+        qx = tl.load(q_base + cols[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        qp = tl.load(q_base + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q_rot = qx * cos + sign * (qp * sin)
+        tl.store(q_out_ptr + t * stride_ot + q_rows[:, None] * stride_oh + cols[None, :],
+                 q_rot.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+        kp = tl.load(k_ptr + t * stride_kt + kv_rows[:, None] * stride_kh + partner[None, :], mask=kv_mask, other=0.0)
+        k = (k.to(tl.float32) * cos + sign * (kp.to(tl.float32) * sin)).to(k_ptr.dtype.element_ty)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // PAGE_SIZE
+        off = slot % PAGE_SIZE
+        _store_head_rows(k.to(tl.float32), k_cache_ptr, k_scale_ptr, blk * stride_kcb + off * stride_kcp,
+                         blk * stride_ksb + off * stride_ksp, stride_kch, stride_ksh, kv_rows, cols,
+                         HKV, HKV_PAD, HEAD_DIM, GROUP, QUANT)
+        v = tl.load(v_ptr + t * stride_vt + kv_rows[:, None] * stride_vh + cols[None, :], mask=kv_mask, other=0.0)
+        _store_head_rows(v.to(tl.float32), v_cache_ptr, v_scale_ptr, blk * stride_vcb + off * stride_vcp,
+                         blk * stride_vsb + off * stride_vsp, stride_vch, stride_vsh, kv_rows, cols,
+                         HKV, HKV_PAD, HEAD_DIM, GROUP, QUANT)
+
+
+def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    t, hkv, d = k.shape
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[2:] != (hkv, d):
+        raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} do not match k's {(hkv, d)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    quant = k_cache.dtype == torch.int8
+    if quant:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an int8 cache needs k_scale and v_scale")
+        if k_scale.shape != v_scale.shape or k_scale.dim() != 4 or k_scale.shape[:3] != k_cache.shape[:3]:
+            raise ValueError(f"scales must be [num_blocks, block_size, Hkv, D // G] matching the cache, "
+                             f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+        ng = k_scale.shape[-1]
+        if d % ng or ng & (ng - 1):
+            raise ValueError(f"D // G = {ng} groups must be a power of two dividing head_dim {d}")
+        if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1:
+            raise ValueError("the scales' last dim must be contiguous")
+        if k_scale.dtype != v_scale.dtype or not k_scale.dtype.is_floating_point:
+            raise ValueError(f"scales must share one float dtype, got {k_scale.dtype} and {v_scale.dtype}")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"a {k_cache.dtype} cache takes no scales (pass None)")
+    elif not k_cache.dtype.is_floating_point:
+        raise ValueError(f"the cache must be int8 or a float dtype, got {k_cache.dtype}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("head_dim must be the contiguous (last, stride 1) dim of k, v and the caches")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32/int64 [T={t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    tensors = [k, v, k_cache, v_cache, slot_mapping] + ([k_scale, v_scale] if quant else [])
+    dev = k.device
+    for x in tensors:
+        if x.device != dev:
+            raise ValueError(f"all tensors must be on one device, found {x.device} and {dev}")
+    return quant
+
+
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping, rope):
+    quant = _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    t, hkv, d = k.shape
+    if rope:
+        if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d or q.stride(-1) != 1:
+            raise ValueError(f"q must be [T={t}, Hq, D={d}] with a contiguous last dim, got {tuple(q.shape)}")
+        if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}")
+        if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.stride(-1) != 1:
+            raise ValueError(f"cos_sin_cache must be [max_pos, D={d}] (cos | sin), got {tuple(cos_sin_cache.shape)}")
+        for x in (q, positions, cos_sin_cache):
+            if x.device != k.device:
+                raise ValueError(f"all tensors must be on one device, found {x.device} and {k.device}")
+        if q.dtype != k.dtype:
+            raise ValueError(f"q is {q.dtype} but k is {k.dtype}")
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        hq = q.shape[1]
+    else:
+        q = q_out = positions = cos_sin_cache = k  # unused placeholders
+        hq = 1
+    if t == 0:
+        return q_out if rope else None
+    ks = k_scale if quant else k_cache
+    vs = v_scale if quant else v_cache
+    group = d // k_scale.shape[-1] if quant else d
+    _rope_kv_write_kernel[(t,)](
+        q, k, v, q_out, positions, cos_sin_cache,
+        k_cache, v_cache, ks, vs, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
+        HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1], ROPE=rope, QUANT=quant,
+        **KV_WRITE,
+    )
+    return q_out if rope else None
+
+
+def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    """RoPE on q and k, then k and v into the paged cache (in place). Returns the rotated q (a new tensor)."""
+    return _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping, True)
+
+
+def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    """Store k, v [T, Hkv, D] at their slots (-1 = skip), group-quantized for an int8 cache. In place."""
+    _launch(None, k, v, None, None, k_cache, v_cache, k_scale, v_scale, slot_mapping, False)
