@@ -1,0 +1,188 @@
+"""FlashDecoding: paged, GQA-aware, split-K decode attention over the int8 (or float) KV cache.
+
+Triton twin of reference.decode_attention: one query per sequence, q [B, Hq, D] at position
+seq_lens[b] - 1, so it sees keys 0 .. seq_lens[b] - 1.
+
+Stage 1, grid (Hkv, B, NUM_SPLITS), one program per (kv head, sequence, context split):
+  * The Q tile is the whole group of Hq / Hkv query heads sharing the kv head, padded to
+    >= 16 rows so tl.dot can use the tensor cores; each K/V tile is therefore read from
+    memory ONCE for the group (decode is bound by KV bytes, not arithmetic).
+  * Split s covers keys [s * L, min((s + 1) * L, seq_len)) with L = seq_len / NUM_SPLITS
+    rounded up to BLOCK_N: computed in the kernel from seq_lens, so the launch grid depends on
+    shapes only (CUDA-graph capturable) and short sequences still spread over all splits.
+  * K/V tiles of BLOCK_N keys are gathered through the block table (a tile may span several
+    pages); int8 tiles are dequantized in registers (int8 * fp16 group scale), then cast to
+    q.dtype; online softmax in base 2 (log2(e) folded into the scale).
+  * With NUM_SPLITS == 1 the program writes the output directly; otherwise it writes its
+    normalized partial output (fp32) and log2-sum-exp, and
+Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
+
+NUM_SPLITS comes from the shapes (batch x kv heads vs. the multiprocessor count, and
+block_tables.shape[1] * page size): see attention_configs.decode_num_splits.
+The kv head is the fastest grid axis, so programs reading neighbouring heads of one token
+(whose scales share a 32-byte sector) run together.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_configs import REDUCE, decode_config, decode_num_splits
+from .prefill_attention import LOG2E, _load_kv_tile, check_attention_inputs
+
+
+@triton.jit
+def _decode_kernel(
+    # pointers
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
+    # scalars
+    qk_scale,
+    # strides (elements)
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_cb, stride_cp, stride_ch, stride_sb, stride_sp, stride_sh, stride_bt,
+    # sizes and modes
+    QPK: tl.constexpr, QPK_PAD: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    rows = tl.arange(0, QPK_PAD)
+    heads = kvh * QPK + rows
+    row_ok = rows < QPK
+    cols = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :], mask=row_ok[:, None], other=0.0)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b * stride_bt
+    kv_head_off = kvh.to(tl.int64) * stride_ch
+    scale_head_off = kvh.to(tl.int64) * stride_sh
+    m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([QPK_PAD], tl.float32)
+    acc = tl.zeros([QPK_PAD, HEAD_DIM], tl.float32)
+    for n_start in range(start, end, BLOCK_N):
+        n = n_start + offs_n
+        in_range = n < end
+        blk = tl.load(bt_row + n // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+        page_off = n % PAGE_SIZE
+        slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
+        scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_range,
+                          HEAD_DIM, GROUP, QUANT, True, q.dtype)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_range,
+                          HEAD_DIM, GROUP, QUANT, True, q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(in_range[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v, acc)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padded batch slot) -> zeros
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        nonempty = l_i > 0
+        o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        # partials laid out [B, HQ, NUM_SPLITS, HEAD_DIM] and [B, HQ, NUM_SPLITS]
+        row_base = (b * HQ + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row_base[:, None] * HEAD_DIM + cols[None, :], o, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + row_base, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    cols = tl.arange(0, HEAD_DIM)
+    base = (b * HQ + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty only for seq_len 0 (padding)
+    w = tl.math.exp2(lse - m)
+    o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + cols[None, :],
+                mask=(w > 0)[:, None], other=0.0)
+    wsum = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, res.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits_for(q, k_cache, block_tables):
+    """The split count decode_attention will use for these shapes."""
+    sm = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.device.type == "cuda" else None
+    return decode_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], sm)
+
+
+def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, softmax_scale):
+    """One query per sequence: q [B, Hq, D] at position seq_lens[b] - 1. Returns a new [B, Hq, D].
+
+    Graph-safe: nothing here reads tensor values on the host; the split count comes from shapes.
+    A sequence with seq_len 0 (a padded batch slot) gets zeros.
+    """
+    return decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                                   softmax_scale, None)
+
+
+def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, softmax_scale,
+                            num_splits=None):
+    """decode_attention with the split count forced (None = the shape-based choice); for tests and benchmarks."""
+    quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                                          "decode_attention")
+    bsz, hq, d = q.shape
+    if block_tables.shape[0] != bsz:
+        raise ValueError(f"decode_attention: block_tables has {block_tables.shape[0]} rows for batch {bsz}")
+    out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    hkv = k_cache.shape[2]
+    qpk = hq // hkv
+    cfg = decode_config(d, k_cache.dtype)
+    bn = cfg.pop("BLOCK_N")
+    splits = int(num_splits) if num_splits else num_splits_for(q, k_cache, block_tables)
+    if splits > 1:
+        part_out = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    ks = k_scale if quant else k_cache
+    vs = v_scale if quant else v_cache
+    _decode_kernel[(hkv, bsz, splits)](
+        q, out, part_out, part_lse, k_cache, v_cache, ks, vs, block_tables, seq_lens,
+        float(softmax_scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        block_tables.stride(0),
+        QPK=qpk, QPK_PAD=max(16, triton.next_power_of_2(qpk)), HQ=hq, HEAD_DIM=d, GROUP=group,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, NUM_SPLITS=splits, QUANT=quant, **cfg,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(bsz, hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HQ=hq, HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), **REDUCE,
+        )
+    return out

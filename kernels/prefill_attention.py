@@ -1,0 +1,254 @@
+"""FlashAttention-2 style causal varlen prefill over the paged (int8 or float) KV cache.
+
+Triton twin of reference.prefill_attention. The queries of B sequences are packed back to
+back (cu_seqlens_q); sequence b's n queries are its LAST n tokens, so query i sits at
+position p_i = seq_lens[b] - n + i and sees keys 0..p_i. Every key and value, the earlier
+context and the chunk's own, is read from the cache through the block table (kv_write has
+already stored the chunk), so chunked prefill and prefix-cache hits are the same launch.
+
+Algorithm, one program per (query head, BLOCK_M query tile of one sequence):
+  * Q tile [BLOCK_M, D] stays in registers; K/V tiles of BLOCK_N keys are gathered through
+    the block table (a tile may span several pages: slot = table[n // PAGE] * PAGE + n % PAGE).
+  * int8 cache: the tile is dequantized in registers (int8 * per-(token, head, group) fp16
+    scale, reshaped [BLOCK_N, D/G, G]) and cast to q.dtype for the tensor-core dot.
+  * Online softmax in base 2: scores are scaled by softmax_scale * log2(e) once, so exp2 is
+    the only transcendental; the running max m, sum l and output acc are rescaled per tile.
+  * Causal: tiles wholly at or below the tile's first query position run without a mask;
+    only the diagonal tiles (up to the last query's position) mask; tiles wholly above the
+    diagonal are never visited.
+  * GQA: query head h reads kv head h // (Hq // Hkv).
+Tiles are handed out longest-first within each sequence (the last query tile sees the most
+keys), via a small tile -> (sequence, tile) map built on the device with no host sync.
+
+Requirements: q [T, Hq, D] float16/bfloat16/float32 with a contiguous last dim; power-of-two
+head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_lens [B]
+int32/int64 on the same device; caches as in reference.py (head_dim contiguous).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_configs import prefill_config
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """[BLOCK_N, HEAD_DIM] keys or values at the given slot offsets, dequantized to OUT_DTYPE."""
+    ptrs = cache_ptr + slot_off[:, None] + cols[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=row_mask[:, None], other=0)
+    else:
+        x = tl.load(ptrs)
+    if QUANT:
+        NG: tl.constexpr = HEAD_DIM // GROUP
+        BN: tl.constexpr = x.shape[0]
+        gcols = tl.arange(0, NG)
+        sptrs = scale_ptr + scale_off[:, None] + gcols[None, :]
+        if MASKED:
+            s = tl.load(sptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            s = tl.load(sptrs)
+        xf = tl.reshape(x.to(tl.float32), (BN, NG, GROUP)) * s.to(tl.float32)[:, :, None]
+        return tl.reshape(xf, (BN, HEAD_DIM)).to(OUT_DTYPE)
+    else:
+        return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr,
+    stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QUANT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """One online-softmax step over keys n_start .. n_start + BLOCK_N."""
+    n = n_start + offs_n
+    in_seq = n < seq_len
+    if MASKED:
+        blk = tl.load(bt_row_ptr + n // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + n // PAGE_SIZE).to(tl.int64)
+    page_off = n % PAGE_SIZE
+    slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
+    scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
+    k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_seq,
+                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        if CAUSAL:
+            keep = (n[None, :] <= q_pos[:, None]) & in_seq[None, :]
+        else:
+            keep = in_seq[None, :] & (q_pos[:, None] >= 0)
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_seq,
+                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    # pointers
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, tile_seq_ptr, tile_idx_ptr,
+    # scalars
+    qk_scale, num_seqs,
+    # strides (elements)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cp, stride_ch, stride_sb, stride_sp, stride_sh, stride_bt,
+    # sizes and modes
+    QPK: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+):
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq >= num_seqs:
+        return
+    m_tile = tl.load(tile_idx_ptr + tile)
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    n_q = (tl.load(cu_seqlens_ptr + seq + 1) - q_start).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx = seq_len - n_q  # position of the sequence's first query
+
+    kvh = h // QPK
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_q
+    q_pos = ctx + offs_m
+    q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + cols[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kvh.to(tl.int64) * stride_ch
+    scale_head_off = kvh.to(tl.int64) * stride_sh
+
+    first_pos = ctx + m_tile * BLOCK_M
+    last_pos = tl.minimum(first_pos + BLOCK_M, seq_len)  # exclusive: keys < last_pos
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles [0, full_end) need no mask
+    for n_start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
+            stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False, True)
+    for n_start in range(full_end, last_pos, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
+            stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True, True)
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + cols[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name):
+    """Shared checks for prefill and decode. Returns (quant, group_size)."""
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [tokens, Hq, D], got {tuple(q.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name}: q must be float16/bfloat16/float32, got {q.dtype}")
+    _, hq, d = q.shape
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"{name}: head_dim must be a power of two >= 16, got {d}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{name}: k_cache and v_cache must be one dtype and shape [num_blocks, block_size, Hkv, D], "
+                         f"got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}")
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"{name}: cache head_dim {k_cache.shape[3]} != q's {d}")
+    if hq % hkv:
+        raise ValueError(f"{name}: {hq} query heads are not a multiple of {hkv} kv heads")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"{name}: k_cache and v_cache must share strides, and q and the caches need a contiguous head_dim")
+    quant = k_cache.dtype == torch.int8
+    group = d
+    if quant:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"{name}: an int8 cache needs k_scale and v_scale")
+        if (k_scale.dim() != 4 or k_scale.shape != v_scale.shape or k_scale.shape[:3] != k_cache.shape[:3]
+                or k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1):
+            raise ValueError(f"{name}: scales must be [num_blocks, block_size, Hkv, D // G] like the cache, one layout, "
+                             f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+        ng = k_scale.shape[3]
+        if d % ng or ng & (ng - 1):
+            raise ValueError(f"{name}: D // G = {ng} must be a power of two dividing head_dim {d}")
+        group = d // ng
+    else:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{name}: a {k_cache.dtype} cache takes no scales (pass None)")
+        if not k_cache.dtype.is_floating_point:
+            raise ValueError(f"{name}: the cache must be int8 or a float dtype, got {k_cache.dtype}")
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64) or block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables must be int32/int64 [B, max_blocks] (rows contiguous), "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+    b = block_tables.shape[0]
+    if seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: seq_lens must be int32/int64 [B={b}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for x in (k_cache, v_cache, block_tables, seq_lens) + ((k_scale, v_scale) if quant else ()):
+        if x.device != q.device:
+            raise ValueError(f"{name}: all tensors must be on q's device {q.device}, found {x.device}")
+    return quant, group
+
+
+def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, softmax_scale):
+    """Causal varlen attention of packed queries (each sequence's last tokens) over the paged cache.
+
+    Returns a new [T, Hq, D] tensor in q.dtype. See the module docstring for the layout rules.
+    """
+    quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                                          "prefill_attention")
+    b = block_tables.shape[0]
+    if cu_seqlens_q.shape != (b + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"prefill_attention: cu_seqlens_q must be int32/int64 [B+1={b + 1}], "
+                         f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"prefill_attention: cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
+    t, hq, d = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if t == 0 or b == 0:
+        return out
+    cfg = prefill_config(d, k_cache.dtype)
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    # tile -> (sequence, query tile), longest tile of each sequence first; no host sync.
+    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
+    tiles = (n_q + bm - 1) // bm
+    ends = torch.cumsum(tiles, 0, dtype=torch.int32)
+    bound = triton.cdiv(t, bm) + b
+    pid = torch.arange(bound, device=q.device, dtype=torch.int32)
+    tile_seq = torch.searchsorted(ends, pid, right=True).to(torch.int32)
+    sc = tile_seq.clamp(max=b - 1).long()
+    tile_idx = (ends[sc] - 1 - pid).to(torch.int32)
+    hkv = k_cache.shape[2]
+    ks = k_scale if quant else k_cache
+    vs = v_scale if quant else v_cache
+    _prefill_kernel[(hq, bound)](
+        q, out, k_cache, v_cache, ks, vs,
+        block_tables, cu_seqlens_q, seq_lens, tile_seq, tile_idx,
+        float(softmax_scale) * LOG2E, b,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        block_tables.stride(0),
+        QPK=hq // hkv, HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, **cfg,
+    )
+    return out
