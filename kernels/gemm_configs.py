@@ -1,0 +1,88 @@
+"""Launch configurations for int8_gemm: a committed table, looked up by (M bucket, N, K).
+
+There is no autotuning at run time (it must never run inside CUDA-graph capture
+or on a cold start). `eval/tune_gemm.py` times candidate configurations on the
+GPU and writes `gemm_configs.json` beside this file; `get_config` reads it once
+(lazily, at the first call) and falls back to `default_config` for shapes the
+table does not hold.
+
+M is bucketed: a config tuned at bucket B serves every M in (previous bucket, B].
+"""
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import triton
+
+M_BUCKETS = (16, 32, 64, 128, 256, 1024, 4096, 8192)
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs.json")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def key(self):
+        return (self.block_m, self.block_n, self.block_k, self.group_m, self.split_k, self.num_warps, self.num_stages)
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def m_bucket(m):
+    """The smallest bucket >= m (the last bucket for anything larger)."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def default_config(m, n, k, num_sms=132):
+    """A sane configuration for any shape: narrow tiles + split-K for small M, big tiles otherwise."""
+    if m <= 64:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n = 64
+        block_k = 256 if k >= 256 else max(32, triton.next_power_of_2(k))
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        k_tiles = triton.cdiv(k, block_k)
+        split_k = 1
+        while tiles * split_k < num_sms and split_k * 2 <= 8 and k_tiles >= split_k * 2 * 4:
+            split_k *= 2
+        return GemmConfig(block_m, block_n, block_k, group_m=1, split_k=split_k, num_warps=4, num_stages=4)
+    if m <= 256:
+        return GemmConfig(64, 128, 128, group_m=8, split_k=1, num_warps=4, num_stages=4)
+    return GemmConfig(128, 256, 128, group_m=8, split_k=1, num_warps=8, num_stages=3)
+
+
+_table = None
+
+
+def _load_table():
+    global _table
+    if _table is None:
+        table = {}
+        if os.path.exists(TABLE_PATH):
+            with open(TABLE_PATH) as f:
+                data = json.load(f)
+            for entry in data.get("configs", []):
+                table[(entry["m_bucket"], entry["n"], entry["k"])] = GemmConfig(**entry["config"])
+        _table = table
+    return _table
+
+
+def table_entries():
+    """{(m_bucket, n, k): GemmConfig} of the committed table."""
+    return dict(_load_table())
+
+
+def get_config(m, n, k):
+    """The committed config for this shape's bucket, or the default."""
+    cfg = _load_table().get((m_bucket(m), n, k))
+    return cfg if cfg is not None else default_config(m, n, k)

@@ -1,0 +1,223 @@
+"""W8A8 GEMM in Triton: int8 x_q [M, K] @ int8 w_q [N, K]^T, exact int32 accumulation,
+with the dequantization epilogue fused.
+
+    out[m, n] = cast( (acc[m, n] * x_scale[m]) * w_scale[n] (+ bias[n]), out_dtype ),
+    acc[m, n] = sum_k x_q[m, k] * w_q[n, k]        (int32, tl.dot(..., out_dtype=tl.int32))
+
+Both operands are K-major (row-major with K contiguous), which is what Hopper's
+int8 tensor-core instructions want for A and B, so no transposes are needed.
+
+One kernel serves both regimes; the launch configuration (gemm_configs.py, a
+committed table tuned on the GPU; no autotuning at run time) picks the shape:
+
+* prefill (large M, tensor-core bound): big tiles (e.g. 128x256x128), programs
+  walked in grouped order (GROUP_M rows of tiles share their weight columns in
+  L2), num_stages-deep software pipelining of the K loop.
+* decode (M <= 64, bound by the weight bytes): narrow tiles (BLOCK_M = 16) so
+  there are many programs, each streaming a slab of weight rows with several
+  BLOCK_K stages in flight, optionally split along K (SPLIT_K > 1) so there are
+  enough programs to keep every SM's loads in flight when N / BLOCK_N is small.
+
+Split-K reduction is exact and deterministic: every split stores its int32
+partial tile to a workspace, then increments a per-tile counter (acq_rel, GPU
+scope, after a CTA barrier). The split that arrives last reads the other
+partials back (from L2), adds them in int32 (integer addition: the result does
+not depend on the order), resets the counter to zero for the next launch and
+runs the epilogue. No float atomics, one launch, no memset: the counters clean
+up after themselves. (The counters are shared per device: do not run two
+split-K launches concurrently on different streams.)
+
+Masks: rows past M and columns past N load clamped (valid) addresses and are
+masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from eightbit.kernels.gemm_configs import GemmConfig, get_config
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn,
+              HAS_BIAS: tl.constexpr):
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
+    ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    out = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        out = out + b[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    # pointers
+    a_ptr, xs_ptr, b_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, lock_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+
+    # grouped order: GROUP_M rows of tiles walk the N tiles together, so the weight
+    # columns they share are read from L2 rather than HBM
+    per_group = GROUP_M * num_pid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % group_size)
+    pid_n = (pid % per_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped: loads stay in bounds without masks
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # this split's range of K tiles
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_start = pid_k * per_split
+    t_end = tl.minimum(t_start + per_split, k_tiles)
+
+    a_ptrs = a_ptr + rm[:, None] * stride_am + (t_start * BLOCK_K + offs_k)[None, :] * stride_ak
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + (t_start * BLOCK_K + offs_k)[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for t in range(t_start, t_end):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - t * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if SPLIT_K == 1:
+        _epilogue(acc, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+    else:
+        # workspace [SPLIT_K, num_tiles, BLOCK_M, BLOCK_N] int32, tile-local and unmasked
+        num_tiles = num_pid_m * num_pid_n
+        tile_elems = BLOCK_M * BLOCK_N
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_base = part_ptr + pid.to(tl.int64) * tile_elems
+        tl.store(tile_base + pid_k.to(tl.int64) * num_tiles * tile_elems + local, acc)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for j in tl.static_range(SPLIT_K):
+                total += tl.load(tile_base + j * num_tiles * tile_elems + local, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
+            _epilogue(total, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn,
+                      HAS_BIAS)
+
+
+# --- host side ----------------------------------------------------------------------------
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_locks = {}
+
+
+def _lock_buffer(device, n):
+    """Per-device split-K tile counters, zero between launches (each launch resets its own)."""
+    key = (device.type, device.index)
+    buf = _locks.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "int8_gemm: the split-K counters must be allocated before CUDA-graph capture; "
+                "run one eager call of each shape first (warm-up)"
+            )
+        size = max(n, 1 << 16)
+        buf = torch.zeros(size, dtype=torch.int32, device=device)
+        _locks[key] = buf
+    return buf
+
+
+def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
+        raise TypeError(f"x_q and w_q must be int8, got {x_q.dtype} and {w_q.dtype}")
+    if x_q.dim() != 2 or w_q.dim() != 2:
+        raise ValueError(f"x_q must be [M, K] and w_q [N, K], got {tuple(x_q.shape)} and {tuple(w_q.shape)}")
+    m, k = x_q.shape
+    n, k2 = w_q.shape
+    if k != k2:
+        raise ValueError(f"K mismatch: x_q {tuple(x_q.shape)} vs w_q {tuple(w_q.shape)}")
+    if k > 1 and (x_q.stride(1) != 1 or w_q.stride(1) != 1):
+        raise ValueError("x_q and w_q must have a contiguous last (K) dimension")
+    for name, s, rows in (("x_scale", x_scale, m), ("w_scale", w_scale, n)):
+        if s.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {s.dtype}")
+        if s.numel() != rows or not s.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{rows}] or [{rows}, 1] tensor, got {tuple(s.shape)}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous():
+            raise ValueError(f"bias must be a contiguous [{n}] tensor, got {tuple(bias.shape)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    dev = x_q.device
+    for name, t in (("x_scale", x_scale), ("w_q", w_q), ("w_scale", w_scale), ("bias", bias)):
+        if t is not None and t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, x_q on {dev}")
+    return m, n, k
+
+
+def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16, config=None, out=None):
+    """int8_gemm with an explicit GemmConfig (tuning, tests) and an optional preallocated out [M, N]."""
+    m, n, k = _check(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    cfg = config if config is not None else get_config(m, n, k)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:
+        raise ValueError(f"out must be a {out_dtype} [{m}, {n}] tensor on {x_q.device}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(
+            (torch.zeros((m, n), device=x_q.device) + (bias.float() if bias is not None else 0.0)).to(out_dtype))
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    if split_k > 1:
+        part = torch.empty(split_k * tiles * cfg.block_m * cfg.block_n, dtype=torch.int32, device=x_q.device)
+        locks = _lock_buffer(x_q.device, tiles)
+    else:
+        part = locks = x_q  # unused
+    _int8_gemm_kernel[(tiles, split_k)](
+        x_q, x_scale, w_q, w_scale, bias if bias is not None else w_scale, out, part, locks,
+        m, n, k,
+        x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )
+    return out
+
+
+def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias)."""
+    return int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+
+
+__all__ = ["int8_gemm", "int8_gemm_with_config", "GemmConfig"]

@@ -1,0 +1,124 @@
+"""Per-token (per-row) symmetric int8 quantization in Triton.
+
+Algorithm (the definition is quant/int8.py; this reproduces it bit for bit):
+one program owns one row and holds the whole row in registers (BLOCK_K is the
+row length rounded up to a power of two, masked). In float32:
+
+    absmax = max |x|                      (x first rounded to its own dtype: it is loaded as such)
+    scale  = absmax / 127                 (IEEE division, div_rn, stored as float32 [M, 1])
+    inv    = (1 / absmax) * 127, or 0 if absmax == 0   (how torch evaluates 127 / absmax)
+    q      = round_half_even(x * inv) clamped to [-127, 127]
+
+The row is read once and q written once, so the kernel moves the fewest bytes
+possible (2 bytes in + 1 byte out per bf16 element).
+
+`_quantize_row` and `_round_half_even` are shared by the fused producers
+(rmsnorm_quant.py, silu_mul_quant.py) so there is one copy of the rounding.
+Rounding is done with floor() and an explicit tie rule rather than a libdevice
+call, so the same code runs under TRITON_INTERPRET=1 (CPU tests) and on the GPU.
+The kernels are launched with enable_fp_fusion=False so `x * inv` is rounded to
+float32 before it is rounded to an integer, as in torch (no fused multiply-add).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+QMAX = 127.0
+MAX_ROW = 65536  # the largest row one program holds in registers
+
+# --- shared device helpers ----------------------------------------------------------------
+
+
+@triton.jit
+def _round_half_even(y):
+    """Round float32 y to the nearest integer, ties to even (torch.round). Exact for |y| < 2^23."""
+    r = tl.floor(y)
+    d = y - r
+    r_odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    up = (d > 0.5) | ((d == 0.5) & r_odd)
+    return tl.where(up, r + 1.0, r)
+
+
+@triton.jit
+def _quantize_row(y, mask):
+    """y: float32 [BLOCK] (masked lanes ignored) -> (int8 q [BLOCK], float32 scale)."""
+    absmax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    nonzero = absmax > 0.0
+    safe = tl.where(nonzero, absmax, 1.0)
+    # torch evaluates 127 / absmax (a Python scalar over a tensor) as reciprocal(absmax) * 127
+    inv = tl.where(nonzero, tl.math.div_rn(1.0, safe) * 127.0, 0.0)
+    scale = tl.math.div_rn(absmax, 127.0)
+    q = _round_half_even(y * inv)
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    return q.to(tl.int8), scale
+
+
+# --- the kernel ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_per_token_kernel(
+    # pointers
+    x_ptr, q_ptr, scale_ptr,
+    # sizes
+    K,
+    # strides (rows; the last dimension is contiguous)
+    stride_xm, stride_qm,
+    # meta-parameters
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_row(x, mask)
+    tl.store(q_ptr + row * stride_qm + offs, q, mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+# --- host side ----------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def row_launch_params(n):
+    """(BLOCK, num_warps) for a one-row-per-program kernel over rows of n elements."""
+    if n > MAX_ROW:
+        raise ValueError(f"rows of {n} elements are longer than the supported {MAX_ROW}")
+    block = triton.next_power_of_2(max(n, 16))
+    num_warps = min(32, max(4, block // 512))
+    return block, num_warps
+
+
+def as_rows(x, name):
+    """View x [..., K] as 2-D rows [M, K] with a contiguous last dimension (no copy if possible)."""
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension, got a scalar")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[-1] > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def quant_per_token(x):
+    """x [..., K] -> (int8 [..., K], float32 scale [..., 1]). Same as reference.quant_per_token."""
+    x2 = as_rows(x, "x")
+    m, k = x2.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m > 0 and k > 0:
+        block, num_warps = row_launch_params(k)
+        _quant_per_token_kernel[(m,)](
+            x2, q, scale,
+            k,
+            x2.stride(0), q.stride(0),
+            BLOCK_K=block, num_warps=num_warps, enable_fp_fusion=False,
+        )
+    elif m > 0:
+        scale.zero_()
+    return q.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
