@@ -1,0 +1,99 @@
+"""Incremental detokenization with stop strings.
+
+Decoding works on a short window of token ids (vLLM-style prefix/read offsets): the text of
+the tokens in ``[prefix, read)`` was already released; ``[prefix, end)`` is decoded and the
+part beyond the first window's text is new. The already-released tokens serve as left context
+so that tokenizers whose decode depends on neighbours (sentencepiece leading spaces) come out
+right, and the cost per token stays small however long the output gets.
+"""
+
+from __future__ import annotations
+
+# Prompt tokens kept as left context for the first output tokens (vLLM uses 5 too).
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into released text, holding back what is not final yet.
+
+    Text is held back while it (a) ends in an incomplete UTF-8 character, or (b) could still be
+    the start of a stop string. ``text`` is all text released so far; once ``stopped`` is True
+    the text is cut just before the earliest stop-string occurrence and nothing more comes.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self.stopped = False
+        self._pending = ""  # decoded, not yet released: could be the start of a stop string
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
+        if self._decode(self._ids).endswith(_REPLACEMENT):
+            # The prompt ends inside a character: its continuation belongs to neither side.
+            self._ids = []
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of the not-yet-decoded tokens, or "" while it ends mid-character (unless final)."""
+        if self._read == len(self._ids):
+            return ""
+        new_text = self._decode(self._ids[self._prefix:])
+        if not final and (len(new_text) <= len(self._prefix_text)
+                          or new_text.endswith(_REPLACEMENT)):
+            return ""
+        delta = new_text[len(self._prefix_text):]
+        # The tokens just decoded become the next left context; drop what is older.
+        del self._ids[:self._read]
+        self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+    def _release(self, delta: str, final: bool) -> str:
+        buf = self._pending + delta
+        if not self.stop:
+            self.text += buf
+            return buf
+        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=None)
+        # Earliest position from which the rest of buf is a proper prefix of some stop string:
+        # a stop string may still start there, so nothing from there on can be released yet.
+        hold = len(buf)
+        if not final:
+            for j in range(max(0, len(buf) - self._max_stop + 1), len(buf)):
+                tail = buf[j:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stop):
+                    hold = j
+                    break
+        if cut is not None and cut <= hold:
+            # No stop string can start before `cut` any more: the earliest occurrence is final.
+            out, self._pending, self.stopped = buf[:cut], "", True
+        else:
+            out, self._pending = buf[:hold], buf[hold:]
+        self.text += out
+        return out
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append newly generated tokens; returns the newly released text (may be "")."""
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        return self._release(self._decode_new(final=False), final=False)
+
+    def finish(self) -> str:
+        """Generation ended without a stop string having been confirmed: release what is held.
+
+        If the held text contains a stop string (possible when an earlier partial match kept
+        it waiting), the text is still cut there and ``stopped`` becomes True.
+        """
+        if self.stopped:
+            return ""
+        return self._release(self._decode_new(final=True), final=True)

@@ -1,0 +1,158 @@
+"""Token sampling and log-probs for one decoding step, batched in plain torch.
+
+Works on CPU and CUDA tensors alike: no per-element Python loops and no host syncs
+(the only Python loop is over the rows that own a seeded generator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The generator a seeded request owns for its whole life (create it once, not per step)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class SamplingTensors:
+    """The per-row sampling settings of one step as device tensors, plus host-side flags
+    that let the common cases (all greedy, no filters) skip work without a sync."""
+
+    temperatures: torch.Tensor  # [B] float32; 1.0 on greedy rows (they are never divided)
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float32; 1.0 = off
+    min_p: torch.Tensor  # [B] float32; 0.0 = off
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"):
+        greedy = [p.greedy for p in params]
+        # Filters on greedy rows are irrelevant; leaving them off keeps the flags honest.
+        top_k = [0 if g or p.top_k < 1 else p.top_k for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperatures=t(temps, torch.float32),
+            top_k=t(top_k, torch.int64),
+            top_p=t(top_p, torch.float32),
+            min_p=t(min_p, torch.float32),
+            greedy=t(greedy, torch.bool),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+            any_min_p=any(p > 0.0 for p in min_p),
+        )
+
+
+def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature-scaled logits with top-k, top-p and min-p applied (dropped tokens = -inf).
+    Returns a new tensor; ``logits`` is left untouched (the log-probs need the raw values)."""
+    x = logits.float() / t.temperatures.unsqueeze(1)
+    if t.any_top_k or t.any_top_p:
+        vocab = x.shape[-1]
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        if t.any_top_k:
+            k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
+            rank = torch.arange(vocab, device=x.device)
+            sorted_x = sorted_x.masked_fill(rank.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+        if t.any_top_p:
+            probs = sorted_x.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+            # Drop a token once the tokens before it already reach top_p. The top token has
+            # mass_before 0 < top_p, so it always stays; rows with top_p == 1 drop nothing even if
+            # float rounding pushes the cumulative sum past 1.
+            drop = (mass_before >= t.top_p.unsqueeze(1)) & (t.top_p < 1.0).unsqueeze(1)
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    if t.any_min_p:
+        probs = x.softmax(dim=-1)
+        floor = t.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x
+
+
+def sample(
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [B, V]; returns int64 [B] on the logits' device.
+
+    Random rows use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i
+    with probability p_i. A row with a generator draws its own E from it, so its token depends
+    only on its logits and its generator's state, never on the other rows of the batch.
+    """
+    greedy_tokens = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy_tokens
+    probs = filtered_logits(logits, t).softmax(dim=-1)
+    generators = list(generators or ())
+    race = torch.empty_like(probs)
+    if len(generators) < len(race) or any(g is None for g in generators):
+        race.exponential_()  # one batched draw (default generator) for the unseeded rows
+    for row, g in enumerate(generators):
+        if g is not None:
+            race[row].exponential_(generator=g)
+    # Exp(1) draws of exactly 0 would turn a zero-probability token into 0/0.
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    tokens = probs.div_(race).argmax(dim=-1)
+    if t.any_greedy:
+        tokens = torch.where(t.greedy, greedy_tokens, tokens)
+    return tokens
+
+
+def gather_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log-softmax (no temperature or filters, as vLLM reports) of the chosen tokens.
+
+    Returns (chosen [B] float32, top_ids [B, k] int64, top_logprobs [B, k] float32) with the
+    top-k in descending order. For prompt log-probs pass the logits of positions 0..T-2 and
+    the prompt's tokens 1..T-1 (the first prompt token has none).
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (
+        logprobs.new_empty((logits.shape[0], 0)),
+        token_ids.new_empty((logits.shape[0], 0), dtype=torch.int64),
+    )
+    return chosen, top_ids, top_logprobs
+
+
+def logprobs_to_dicts(
+    token_ids: torch.Tensor,
+    chosen: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_logprobs: torch.Tensor,
+    ks: Sequence[int],
+) -> list[dict[int, float]]:
+    """vLLM's per-position dict ``{token_id: logprob}`` for each row: the chosen token first,
+    then that row's ``ks[row]`` most likely tokens (so it holds k or k + 1 entries).
+    One device-to-host copy per tensor."""
+    tokens, chosen, ids, lps = (x.tolist() for x in (token_ids, chosen, top_ids, top_logprobs))
+    out = []
+    for row, k in enumerate(ks):
+        d = {tokens[row]: chosen[row]}
+        for tid, lp in zip(ids[row][:k], lps[row][:k]):
+            d.setdefault(tid, lp)
+        out.append(d)
+    return out

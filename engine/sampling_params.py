@@ -1,0 +1,95 @@
+"""Per-request sampling settings, named and defaulted as in vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    ``temperature == 0`` means greedy (argmax); ``top_k`` of -1 or 0 and ``top_p == 1`` and
+    ``min_p == 0`` switch those filters off. ``max_tokens=None`` means up to the context limit.
+    ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None).
+    ``logprobs``/``prompt_logprobs`` ask for that many most-likely tokens besides the chosen one;
+    their values are the model's raw log-softmax, before temperature and top-k/top-p/min-p.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value, need: str):
+            raise ValueError(f"{field} must be {need}, got {value!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", self.n, "an int >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", self.temperature, ">= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", self.top_k, "-1 or 0 (disabled) or an int >= 1")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", self.max_tokens, "None or an int >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", self.seed, "None or an int")
+
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            bad("stop", self.stop, "None, a str or a list of str")
+        if not all(isinstance(s, str) and s for s in stop):
+            bad("stop", self.stop, "a list of non-empty str")
+        self.stop = stop
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif isinstance(ids, (list, tuple)):
+            ids = list(ids)
+        else:
+            bad("stop_token_ids", self.stop_token_ids, "None or a list of int")
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
+        self.stop_token_ids = ids
+
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, field)
+            if v is not None and (not _is_int(v) or v < 0):
+                bad(field, v, "None or an int >= 0")
+        for field in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, getattr(self, field), "a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

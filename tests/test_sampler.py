@@ -1,0 +1,215 @@
+import math
+
+import pytest
+import torch
+
+from eightbit.engine.sampler import (SamplingTensors, filtered_logits, gather_logprobs,
+                                     logprobs_to_dicts, make_generator, sample)
+from eightbit.engine.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+P4 = [0.5, 0.3, 0.15, 0.05]
+
+
+def ref_probs(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
+    """Independent pure-Python reference: the distribution a sampled row draws from."""
+    x = [v / temperature for v in logits]
+
+    def softmax(vals):
+        m = max(vals)
+        e = [math.exp(v - m) if v != NEG_INF else 0.0 for v in vals]
+        return [v / sum(e) for v in e]
+
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    if top_k > 0:
+        for i in order[top_k:]:
+            x[i] = NEG_INF
+    if top_p < 1:
+        p, mass = softmax(x), 0.0
+        for i in order:
+            if mass >= top_p:
+                x[i] = NEG_INF
+            mass += p[i]
+    if min_p > 0:
+        p = softmax(x)
+        x = [NEG_INF if p[i] < min_p * max(p) else x[i] for i in range(len(x))]
+    return softmax(x)
+
+
+def kept(logits_row, **kw):
+    t = SamplingTensors.from_params([SamplingParams(**kw)])
+    out = filtered_logits(torch.tensor([logits_row]), t)[0]
+    return sorted(i for i in range(len(logits_row)) if out[i] > NEG_INF)
+
+
+LOGP4 = [math.log(p) for p in P4]
+PERM = [2, 0, 3, 1]  # same distribution with the tokens shuffled: masks must follow the ids
+LOGP4_PERM = [LOGP4[PERM.index(i)] for i in range(4)]  # token i has prob P4[PERM.index(i)]
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(), [0, 1, 2, 3]),
+    (dict(top_k=2), [0, 1]),
+    (dict(top_k=1), [0]),
+    (dict(top_k=0), [0, 1, 2, 3]),
+    (dict(top_k=100), [0, 1, 2, 3]),
+    (dict(top_p=0.45), [0]),           # the top token always stays
+    (dict(top_p=0.75), [0, 1]),
+    (dict(top_p=0.81), [0, 1, 2]),
+    (dict(top_p=0.96), [0, 1, 2, 3]),
+    (dict(min_p=0.2), [0, 1, 2]),      # floor 0.1
+    (dict(min_p=0.5), [0, 1]),         # floor 0.25
+    (dict(min_p=1.0), [0]),
+    (dict(top_k=2, top_p=0.6), [0]),   # top-p sees the top-k renormalized mass 0.625
+    (dict(top_p=0.9), [0, 1, 2]),
+    (dict(top_p=0.9, temperature=0.5), [0, 1]),  # temperature first: probs .685 .247 .062 ...
+])
+def test_filter_masks_hand_computed(kw, expected):
+    assert kept(LOGP4, **kw) == expected
+    assert kept(LOGP4_PERM, **kw) == sorted(PERM[i] for i in expected)
+    ref = ref_probs(LOGP4, **{"top_k": -1, **kw})
+    assert [i for i, p in enumerate(ref) if p > 0] == expected
+
+
+def test_filters_match_reference_on_random_rows():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 3
+    params = [SamplingParams(temperature=0.7, top_k=10), SamplingParams(top_p=0.8),
+              SamplingParams(min_p=0.1, temperature=1.3), SamplingParams(),
+              SamplingParams(top_k=20, top_p=0.9, min_p=0.05, temperature=0.9),
+              SamplingParams(temperature=0.0)]
+    probs = filtered_logits(logits, SamplingTensors.from_params(params)).softmax(-1)
+    for row, p in enumerate(params[:-1]):
+        ref = ref_probs(logits[row].double().tolist(), p.temperature, p.top_k, p.top_p, p.min_p)
+        torch.testing.assert_close(probs[row].double(), torch.tensor(ref, dtype=torch.float64),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_is_argmax_and_logits_untouched():
+    torch.manual_seed(2)
+    logits = torch.randn(5, 300)
+    before = logits.clone()
+    t = SamplingTensors.from_params([SamplingParams(temperature=0)] * 5)
+    assert t.all_greedy
+    assert torch.equal(sample(logits, t), logits.argmax(-1))
+    # Greedy rows among sampled rows (flat logits so the sampled rows would rarely hit argmax).
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=5.0),
+              SamplingParams(temperature=0, top_k=3, seed=4), SamplingParams(top_p=0.5),
+              SamplingParams(temperature=0)]
+    t = SamplingTensors.from_params(params)
+    gens = [None, None, make_generator(4, "cpu"), make_generator(5, "cpu"), None]
+    for _ in range(10):
+        out = sample(logits, t, gens)
+        assert out.dtype == torch.int64 and out.shape == (5,)
+        assert torch.equal(out[[0, 2, 4]], logits.argmax(-1)[[0, 2, 4]])
+    assert torch.equal(logits, before)
+
+
+def chi_square(counts, probs, n):
+    stat = 0.0
+    for c, p in zip(counts, probs):
+        if p == 0:
+            assert c == 0, "sampled a filtered-out token"
+        else:
+            stat += (c - n * p) ** 2 / (n * p)
+    return stat
+
+
+def test_sampled_frequencies_match_filtered_softmax():
+    torch.manual_seed(0)
+    logits = torch.tensor([math.log(p) for p in
+                           [0.06, 0.22, 0.01, 0.15, 0.1, 0.18, 0.03, 0.12, 0.05, 0.08]])
+    steps = [dict(temperature=1.1), dict(top_k=8), dict(top_p=0.9), dict(min_p=0.35)]
+    kw, supports = {}, []
+    for step in steps:
+        kw.update(step)
+        supports.append(sum(p > 0 for p in ref_probs(logits.tolist(), **kw)))
+    assert supports == [10, 8, 7, 6]  # every filter cuts something here
+    expected = ref_probs(logits.double().tolist(), **kw)
+    limit = 30.0  # chi-square with 5 dof: p < 1e-4; the seed is fixed so this cannot flake
+
+    # Unseeded rows: one batched draw from the default generator.
+    n = 20000
+    t = SamplingTensors.from_params([SamplingParams(**kw)] * n)
+    counts = torch.bincount(sample(logits.expand(n, -1), t), minlength=10).tolist()
+    assert chi_square(counts, expected, n) < limit
+
+    # Seeded rows: each row's race drawn from its own generator.
+    n = 3000
+    t = SamplingTensors.from_params([SamplingParams(seed=s, **kw) for s in range(n)])
+    gens = [make_generator(s, "cpu") for s in range(n)]
+    counts = torch.bincount(sample(logits.expand(n, -1), t, gens), minlength=10).tolist()
+    assert chi_square(counts, expected, n) < limit
+
+
+def run_seeded(logits_steps, params, gens, row):
+    t = SamplingTensors.from_params(params, logits_steps[0].device)
+    return [sample(logits, t, gens)[row].item() for logits in logits_steps]
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    torch.manual_seed(3)
+    steps = [torch.randn(1, 1000) for _ in range(8)]
+    mine = SamplingParams(seed=1234, temperature=1.5, top_p=0.95)
+    alone = run_seeded(steps, [mine], [make_generator(1234, "cpu")], 0)
+
+    torch.manual_seed(99)  # the default generator's state must not matter either
+    others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=7, top_k=5),
+              SamplingParams(min_p=0.2)]
+    batch = [others[0], others[1], mine, others[2], others[3]]
+    big_steps = [torch.cat([torch.randn(2, 1000), s, torch.randn(2, 1000)]) for s in steps]
+    gens = [None, None, make_generator(1234, "cpu"), make_generator(7, "cpu"), None]
+    assert run_seeded(big_steps, batch, gens, 2) == alone
+
+    # A different seed gives a different sequence (8 draws over a flat-ish 1000-token vocab).
+    assert run_seeded(steps, [mine], [make_generator(1235, "cpu")], 0) != alone
+
+
+def test_logprobs_are_raw_log_softmax():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 200) * 4
+    tokens = torch.tensor([3, 199, 0, 57])
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    chosen, top_ids, top_lps = gather_logprobs(logits, tokens, 5)
+    assert top_ids.shape == top_lps.shape == (4, 5) and top_ids.dtype == torch.int64
+    torch.testing.assert_close(chosen.double(), ref[torch.arange(4), tokens], atol=1e-5, rtol=0)
+    ref_top, ref_ids = ref.topk(5, dim=-1)
+    assert torch.equal(top_ids, ref_ids)
+    torch.testing.assert_close(top_lps.double(), ref_top, atol=1e-5, rtol=0)
+
+    chosen0, ids0, lps0 = gather_logprobs(logits, tokens, 0)
+    assert ids0.shape == lps0.shape == (4, 0)
+    assert torch.equal(chosen0, chosen)
+
+    ks = [2, 0, 5, 1]
+    dicts = logprobs_to_dicts(tokens, chosen, top_ids, top_lps, ks)
+    for row, (d, k) in enumerate(zip(dicts, ks)):
+        want = {tokens[row].item()} | set(ref_ids[row, :k].tolist())
+        assert set(d) == want and len(d) in (k, k + 1)
+        assert next(iter(d)) == tokens[row].item()  # the chosen token comes first
+        for tid, lp in d.items():
+            assert lp == pytest.approx(ref[row, tid].item(), abs=1e-5)
+
+    # The chosen token among the top-k is not repeated.
+    best = ref.argmax(-1)
+    d = logprobs_to_dicts(best, *gather_logprobs(logits, best, 3), [3] * 4)
+    assert all(len(x) == 3 for x in d)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_contract():
+    dev = "cuda"
+    torch.manual_seed(5)
+    steps = [torch.randn(1, 5000, device=dev) for _ in range(5)]
+    mine = SamplingParams(seed=42, top_k=50, top_p=0.9, min_p=0.01)
+    alone = run_seeded(steps, [mine], [make_generator(42, dev)], 0)
+    batch = [SamplingParams(temperature=0), mine, SamplingParams(top_p=0.5)]
+    big = [torch.cat([torch.randn(1, 5000, device=dev), s, torch.randn(1, 5000, device=dev)])
+           for s in steps]
+    assert run_seeded(big, batch, [None, make_generator(42, dev), None], 1) == alone
+    out = sample(big[0], SamplingTensors.from_params(batch, dev), [None, None, None])
+    assert out.device.type == "cuda" and out[0] == big[0][0].argmax()
+    chosen, ids, lps = gather_logprobs(big[0], out, 3)
+    ref = torch.log_softmax(big[0].double(), -1)
+    torch.testing.assert_close(chosen.double(), ref.gather(1, out[:, None])[:, 0], atol=1e-5,
+                               rtol=0)

@@ -1,0 +1,46 @@
+import dataclasses
+
+import pytest
+
+from eightbit.engine.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    expected = dict(n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None,
+                    max_tokens=16, stop=[], stop_token_ids=[], ignore_eos=False, logprobs=None,
+                    prompt_logprobs=None, skip_special_tokens=True)
+    assert [f.name for f in dataclasses.fields(p)] == list(expected)
+    assert dataclasses.asdict(p) == expected
+    assert not p.greedy
+
+
+def test_greedy_and_normalization():
+    p = SamplingParams(temperature=0, stop="###", stop_token_ids=(5, 7), max_tokens=None, top_k=0)
+    assert p.greedy
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == [5, 7]
+    assert p.max_tokens is None
+    assert SamplingParams(stop=("a", "bc")).stop == ["a", "bc"]
+    assert SamplingParams(seed=0, logprobs=0, prompt_logprobs=3, top_k=1, top_p=0.01,
+                          min_p=1.0, temperature=2).seed == 0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("n", 1.5), ("n", True),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "1"),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1),
+    ("top_k", -2), ("top_k", 2.0),
+    ("min_p", -0.01), ("min_p", 1.5),
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0),
+    ("seed", 1.0), ("seed", "7"),
+    ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 3),
+    ("stop_token_ids", [1, "2"]), ("stop_token_ids", 5), ("stop_token_ids", [-1]),
+    ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", -2),
+    ("ignore_eos", 1), ("skip_special_tokens", None),
+])
+def test_invalid_values_raise_naming_field_and_value(field, value):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    assert field in str(err.value)
+    assert repr(value) in str(err.value)
