@@ -49,7 +49,7 @@ def _store_head_rows(
         absmax = tl.max(tl.abs(g), axis=2)  # [H_PAD, NG]
         scale = tl.math.div_rn(absmax, 127.0).to(scale_ptr.dtype.element_ty)
         s = scale.to(tl.float32)
-        inv = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)
+        inv = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)
         qv = _round_half_even(g * inv[:, :, None])
         qv = tl.minimum(tl.maximum(qv, -127.0), 127.0).to(tl.int8)
         qv = tl.reshape(qv, (H_PAD, HEAD_DIM))

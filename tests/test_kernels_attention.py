@@ -1,0 +1,401 @@
+"""Triton attention kernels (kv_write, prefill, decode) against kernels/reference.py.
+
+CPU (CI): the kernels run under TRITON_INTERPRET=1 on fp16/fp32 tensors (the interpreter
+mishandles bf16). GPU (`pytest -m gpu`): the same kernels compiled, bf16, checked by the
+FlashAttention rule: max error vs a float64 reference on the dequantized cache must be at
+most 2x that of a plain-torch bf16 implementation of the same math, plus a small atol.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are imported
+
+import pytest  # noqa: E402
+
+from eightbit.kernels import reference as R  # noqa: E402
+from eightbit.kernels import decode_attention as dmod  # noqa: E402
+from eightbit.kernels import prefill_attention as pmod  # noqa: E402
+from eightbit.kernels.decode_attention import decode_attention, decode_attention_splits  # noqa: E402
+from eightbit.kernels.kv_write import kv_write, rope_kv_write  # noqa: E402
+from eightbit.kernels.prefill_attention import prefill_attention  # noqa: E402
+from eightbit.quant.int8 import quantize_groups  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run the kernels under TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def cos_sin(max_pos, d, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    f = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    return torch.cat([f.cos(), f.sin()], dim=-1)
+
+
+def empty_cache(num_blocks, page, hkv, d, dtype, group, device="cpu"):
+    """A poisoned cache: int8 values 77 with NaN scales, or NaN floats."""
+    if dtype == torch.int8:
+        kc = torch.full((num_blocks, page, hkv, d), 77, dtype=torch.int8, device=device)
+        ks = torch.full((num_blocks, page, hkv, d // group), float("nan"), dtype=torch.float16, device=device)
+        return kc, kc.clone(), ks, ks.clone()
+    kc = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=device)
+    return kc, kc.clone(), None, None
+
+
+class Scenario:
+    """Sequences in a shuffled paged cache: (seq_len, n_queries) each, optional shared prefix.
+
+    Fills every live slot through the reference kv_write (so the cache holds exactly what the
+    engine would); everything else stays poisoned (NaN), and unused table entries are -1.
+    """
+
+    def __init__(self, seqs, hq, hkv, d, cache_dtype, group, page=16, share_prefix_blocks=0,
+                 device="cpu", extra_blocks=3, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.seqs, self.hq, self.hkv, self.d, self.page = seqs, hq, hkv, d, page
+        nblk = [-(-s // page) for s, _ in seqs]
+        max_blocks = max(nblk) + 2
+        total = sum(nblk) + extra_blocks
+        perm = torch.randperm(total, generator=g).tolist()  # a random permutation of the blocks
+        table = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+        nxt = 0
+        for b, n in enumerate(nblk):
+            for j in range(n):
+                if b > 0 and j < share_prefix_blocks and j < nblk[0]:
+                    table[b, j] = table[0, j]  # shared prefix: same physical blocks
+                else:
+                    table[b, j] = perm[nxt]
+                    nxt += 1
+        self.block_tables = table.to(device)
+        self.caches = empty_cache(total, page, hkv, d, cache_dtype, group, device)
+        # fill: shared blocks must hold the same tokens, so draw k/v per (physical slot)
+        kv_dtype = torch.float32 if cache_dtype == torch.int8 else cache_dtype
+        slots, ks, vs = [], [], []
+        seen = set()
+        for b, (s, _) in enumerate(seqs):
+            for p in range(s):
+                slot = int(table[b, p // page]) * page + p % page
+                if slot in seen:
+                    continue
+                seen.add(slot)
+                slots.append(slot)
+        n = len(slots)
+        k = torch.randn(n, hkv, d, generator=g).to(kv_dtype).to(device)
+        v = torch.randn(n, hkv, d, generator=g).to(kv_dtype).to(device)
+        R.kv_write(k, v, *self.caches, torch.tensor(slots, dtype=torch.int64, device=device))
+        self.seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device)
+        nq = torch.tensor([q for _, q in seqs])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(nq, 0)
+        self.cu = cu.to(device)
+        self.T = int(cu[-1])
+
+
+def poison_alloc(monkeypatch):
+    """Make the wrappers' output allocations NaN-filled, so unwritten elements show up."""
+    orig_empty_like, orig_empty = torch.empty_like, torch.empty
+
+    def empty_like(*a, **kw):
+        return orig_empty_like(*a, **kw).fill_(float("nan"))
+
+    def empty(*a, **kw):
+        x = orig_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(pmod.torch, "empty_like", empty_like)
+    monkeypatch.setattr(dmod.torch, "empty", empty)
+
+
+def close(out, ref, tol):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned read)"
+    err = (out.double() - ref.double()).abs().max().item()
+    assert err <= tol, f"max abs error {err} > {tol}"
+
+
+TOL = {torch.float16: 4e-3, torch.float32: 2e-5}
+
+# --- kv_write / rope_kv_write (CPU) ----------------------------------------------------------
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("cache", ["int8-32", "int8-d", "float"])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 12, 3), (128, 8, 8)])
+def test_rope_kv_write_matches_reference(dtype, cache, d, hq, hkv):
+    g = torch.Generator().manual_seed(1)
+    t, page, nb = 29, 16, 6
+    group = 32 if cache == "int8-32" else d
+    cache_dtype = torch.int8 if cache.startswith("int8") else dtype
+    # q, k, v as strided views of one fused qkv row (as the engine's QKV GEMM produces)
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 2).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    k[4, 0, :group] = 0  # an all-zero group: scale 0, q 0
+    pos = torch.randint(0, 300, (t,), generator=g)
+    cs = cos_sin(512, d)
+    slots = torch.randperm(nb * page, generator=g)[:t]
+    slots[[3, 17]] = -1
+    q_before = q.clone()
+    mine, ref = empty_cache(nb, page, hkv, d, cache_dtype, group), empty_cache(nb, page, hkv, d, cache_dtype, group)
+    q_rot = rope_kv_write(q, k, v, pos, cs, *mine, slots)
+    q_ref = R.rope_kv_write(q, k, v, pos, cs, *ref, slots)
+    assert torch.equal(q, q_before), "q must not be modified (the rotated q is a new tensor)"
+    torch.testing.assert_close(q_rot, q_ref, rtol=0, atol=0 if dtype == torch.float32 else 1e-3)
+    for a, b in zip(mine, ref):
+        if a is not None:  # identical, poison (NaN) included where nothing was written
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.nan_to_num(123.0),
+                               b.view(torch.uint8) if b.dtype == torch.int8 else b.nan_to_num(123.0))
+
+
+@cpu_only
+@pytest.mark.parametrize("cache", ["int8-8", "int8-32", "fp16", "fp32"])
+def test_kv_write_matches_reference(cache):
+    g = torch.Generator().manual_seed(2)
+    t, hkv, d, page, nb = 21, 3, 64, 8, 5
+    dtype = torch.float32 if cache == "fp32" else torch.float16
+    cache_dtype = torch.int8 if cache.startswith("int8") else dtype
+    group = int(cache.split("-")[1]) if cache.startswith("int8") else d
+    k = (torch.randn(t, hkv, d, generator=g) * 5).to(dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    v[0] = 0
+    slots = torch.randperm(nb * page, generator=g)[:t].int()
+    slots[0] = -1
+    mine, ref = empty_cache(nb, page, hkv, d, cache_dtype, group), empty_cache(nb, page, hkv, d, cache_dtype, group)
+    kv_write(k, v, *mine, slots)
+    R.kv_write(k, v, *ref, slots)
+    for a, b in zip(mine, ref):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.nan_to_num(123.0),
+                               b.view(torch.uint8) if b.dtype == torch.int8 else b.nan_to_num(123.0))
+
+
+@cpu_only
+def test_kv_write_rejects_bad_inputs():
+    k = torch.randn(4, 2, 64, dtype=torch.float16)
+    kc, vc, ks, vs = empty_cache(2, 16, 2, 64, torch.int8, 32)
+    slots = torch.arange(4)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        kv_write(k, k, kc, vc, None, None, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kv_write(k, k, kc, vc, ks, vs, slots.float())
+    with pytest.raises(ValueError, match="heads/head_dim"):
+        kv_write(torch.randn(4, 3, 64, dtype=torch.float16), torch.randn(4, 3, 64, dtype=torch.float16),
+                 kc, vc, ks, vs, slots)
+
+
+# --- prefill (CPU) -----------------------------------------------------------------------------
+
+# (seq_len, n_queries): a chunk starting mid-block at the end of a long context (many blocks);
+# length 1; odd full prefill; a 1-query chunk deep in a context; a two-tile full prefill.
+# Sequences after the first share its first blocks (prefix caching).
+SEQS = [(200, 45), (1, 1), (37, 37), (131, 1), (150, 150)]
+
+PREFILL_CASES = [
+    # dtype, cache, d, hq, hkv, page
+    (torch.float16, "int8-32", 64, 4, 4, 16),
+    (torch.float16, "int8-d", 128, 12, 3, 16),
+    (torch.float32, "int8-32", 128, 8, 1, 16),
+    (torch.float16, "fp16", 64, 8, 2, 16),
+    (torch.float32, "fp32", 128, 6, 2, 32),
+    (torch.float16, "int8-32", 64, 16, 2, 8),
+]
+
+
+def _cache_args(cache, d, dtype):
+    if cache.startswith("int8"):
+        return torch.int8, (32 if cache == "int8-32" else d)
+    return {"fp16": torch.float16, "fp32": torch.float32}[cache], d
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype,cache,d,hq,hkv,page", PREFILL_CASES)
+def test_prefill_matches_reference(monkeypatch, dtype, cache, d, hq, hkv, page):
+    cache_dtype, group = _cache_args(cache, d, dtype)
+    sc = Scenario(SEQS, hq, hkv, d, cache_dtype, group, page=page, share_prefix_blocks=2, seed=hq + d)
+    q = torch.randn(sc.T, hq, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    poison_alloc(monkeypatch)
+    scale = d ** -0.5
+    out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    ref = R.prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    close(out, ref, TOL[dtype])
+
+
+@cpu_only
+def test_prefill_int64_metadata_and_empty_sequence():
+    sc = Scenario([(40, 0), (33, 9), (5, 5)], 4, 2, 64, torch.int8, 32, seed=3)
+    q = torch.randn(sc.T, 4, 64, dtype=torch.float16)
+    args = (sc.block_tables.long(), sc.cu.long(), sc.seq_lens.long(), 0.1)
+    out = prefill_attention(q, *sc.caches, *args)
+    close(out, R.prefill_attention(q, *sc.caches, *args), TOL[torch.float16])
+
+
+# --- decode (CPU) ------------------------------------------------------------------------------
+
+DECODE_SEQS = [(300, 1), (1, 1), (37, 1), (64, 1), (129, 1)]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype,cache,d,hq,hkv,page", PREFILL_CASES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_decode_matches_reference(monkeypatch, dtype, cache, d, hq, hkv, page, splits):
+    cache_dtype, group = _cache_args(cache, d, dtype)
+    sc = Scenario(DECODE_SEQS, hq, hkv, d, cache_dtype, group, page=page, share_prefix_blocks=1, seed=hq * d)
+    q = torch.randn(len(DECODE_SEQS), hq, d, generator=torch.Generator().manual_seed(6)).to(dtype)
+    poison_alloc(monkeypatch)
+    out = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.11, splits)
+    ref = R.decode_attention(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.11)
+    close(out, ref, TOL[dtype])
+
+
+@cpu_only
+def test_decode_padded_slot_gives_zeros_and_default_signature():
+    sc = Scenario([(20, 1), (1, 1), (70, 1)], 8, 2, 64, torch.int8, 32, seed=9)
+    seq_lens = sc.seq_lens.clone()
+    seq_lens[1] = 0  # a padded batch slot (CUDA-graph bucket)
+    q = torch.randn(3, 8, 64, dtype=torch.float16)
+    for splits in (1, 4):
+        out = decode_attention_splits(q, *sc.caches, sc.block_tables, seq_lens, 0.125, splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        ref = R.decode_attention(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125)
+        close(out[[0, 2]], ref[[0, 2]], TOL[torch.float16])
+    out = decode_attention(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125)
+    close(out, R.decode_attention(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125), TOL[torch.float16])
+
+
+@cpu_only
+def test_attention_rejects_bad_inputs():
+    sc = Scenario([(20, 1)], 8, 2, 64, torch.int8, 32)
+    q = torch.randn(1, 8, 64, dtype=torch.float16)
+    kc, vc, ks, vs = sc.caches
+    with pytest.raises(ValueError, match="needs k_scale"):
+        decode_attention(q, kc, vc, None, None, sc.block_tables, sc.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(torch.randn(1, 7, 64, dtype=torch.float16), kc, vc, ks, vs, sc.block_tables, sc.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        prefill_attention(q, kc, vc, ks, vs, sc.block_tables, sc.cu[:1], sc.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(torch.randn(1, 8, 48, dtype=torch.float16), kc[..., :48], vc[..., :48], ks, vs,
+                         sc.block_tables, sc.seq_lens, 0.1)
+
+
+# --- GPU: bf16, compiled, FlashAttention's accuracy rule -------------------------------------
+
+
+def _dequant_cache(kc, vc, ks, vs):
+    if ks is None:
+        return kc, vc, None, None
+    from eightbit.quant.int8 import dequantize_groups
+
+    return dequantize_groups(kc, ks).double(), dequantize_groups(vc, vs).double(), None, None
+
+
+def _bf16_torch_attention(q, kc, vc, ks, vs, block_tables, cu, seq_lens, scale):
+    """Plain torch, the same math with bf16 operands and outputs (the comparison baseline)."""
+    kd, vd, _, _ = _dequant_cache(kc, vc, ks, vs)
+    kd, vd = kd.to(torch.bfloat16), vd.to(torch.bfloat16)
+    out = torch.empty_like(q)
+    starts = cu.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        k = R.gather_kv(kd, None, block_tables[b], length).to(torch.bfloat16)
+        v = R.gather_kv(vd, None, block_tables[b], length).to(torch.bfloat16)
+        grp = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e], k) * scale
+        qpos = torch.arange(e - s, device=q.device)[:, None] + length - (e - s)
+        scores = scores.masked_fill(torch.arange(length, device=q.device)[None] > qpos, float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def _check_fa_rule(out, q, sc, scale, atol=1e-3):
+    kd, vd, _, _ = _dequant_cache(*sc.caches)
+    ref = R.prefill_attention(q.double(), kd.double(), vd.double(), None, None, sc.block_tables, sc.cu,
+                              sc.seq_lens, scale)
+    base = _bf16_torch_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    err = (out.double() - ref).abs().max().item()
+    base_err = (base.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err <= 2 * base_err + atol, f"kernel error {err} > 2 x bf16-torch error {base_err} + {atol}"
+
+
+GPU_CASES = [("int8-32", 128, 32, 8), ("int8-d", 64, 12, 3), ("bf16", 128, 32, 8), ("int8-32", 128, 8, 8)]
+
+
+@gpu
+@pytest.mark.parametrize("cache,d,hq,hkv", GPU_CASES)
+def test_gpu_prefill_bf16(cache, d, hq, hkv):
+    cache_dtype = torch.int8 if cache.startswith("int8") else torch.bfloat16
+    group = 32 if cache == "int8-32" else d
+    seqs = [(1, 1), (1000, 1000), (2100, 333), (777, 1), (4096, 600)]
+    sc = Scenario(seqs, hq, hkv, d, cache_dtype, group, share_prefix_blocks=3, device="cuda", seed=d)
+    q = torch.randn(sc.T, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, d ** -0.5)
+    torch.cuda.synchronize()
+    _check_fa_rule(out, q, sc, d ** -0.5)
+
+
+@gpu
+@pytest.mark.parametrize("cache,d,hq,hkv", GPU_CASES)
+def test_gpu_decode_bf16_cuda_graph(cache, d, hq, hkv):
+    cache_dtype = torch.int8 if cache.startswith("int8") else torch.bfloat16
+    group = 32 if cache == "int8-32" else d
+    seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1)]
+    sc = Scenario(seqs, hq, hkv, d, cache_dtype, group, share_prefix_blocks=2, device="cuda", seed=d + 1)
+    q = torch.randn(len(seqs), hq, d, device="cuda", dtype=torch.bfloat16)
+    scale = d ** -0.5
+    args = (*sc.caches, sc.block_tables, sc.seq_lens, scale)
+    eager = decode_attention(q, *args)
+    _check_fa_rule(eager, q, sc, scale)
+    # capture once, then change the lengths in place: the graph must follow the new values
+    decode_attention(q, *args)  # warm (compile) outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_attention(q, *args)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+    sc.seq_lens.copy_(torch.tensor([1, 4000, 300, 17, 100, 64], device="cuda", dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, decode_attention(q, *args), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("cache", ["int8-32", "bf16"])
+def test_gpu_rope_kv_write_bf16(cache):
+    torch.manual_seed(0)
+    t, hq, hkv, d, page, nb = 300, 32, 8, 128, 16, 40
+    cache_dtype, group = (torch.int8, 32) if cache == "int8-32" else (torch.bfloat16, d)
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16) * 3
+    v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 4000, (t,), device="cuda")
+    cs = cos_sin(4096, d).cuda()
+    slots = torch.randperm(nb * page, device="cuda")[:t]
+    slots[::7] = -1
+    mine = empty_cache(nb, page, hkv, d, cache_dtype, group, "cuda")
+    ref = empty_cache(nb, page, hkv, d, cache_dtype, group, "cuda")
+    q_rot = rope_kv_write(q, k, v, pos, cs, *mine, slots)
+    q_ref = R.rope_kv_write(q, k, v, pos, cs, *ref, slots)
+    # fused multiply-adds may move a rotated value by one bf16 ulp, and then an int8 code by one
+    torch.testing.assert_close(q_rot, q_ref, rtol=1e-2, atol=1e-2)
+    if cache_dtype == torch.int8:
+        for a, b in ((mine[0], ref[0]), (mine[1], ref[1])):
+            diff = (a.int() - b.int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+        for a, b in ((mine[2], ref[2]), (mine[3], ref[3])):
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=0, equal_nan=True)
+    else:
+        for a, b in ((mine[0], ref[0]), (mine[1], ref[1])):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, equal_nan=True)
