@@ -1,0 +1,170 @@
+"""Float checkpoint -> eightbit W8A8 checkpoint, one decoder layer at a time.
+
+For each decoder layer: load its tensors (float32) from the source, push the calibration
+hidden states through it with hooks on every Linear input (per-channel absmax and a token
+sample), choose and fold the SmoothQuant factors, quantize its Linear weights per output
+channel, append its tensors to the output shards, and free it. The next layer's inputs are
+the *float* layer's outputs: smoothing is exact, so they are the original model's hidden
+states, every layer is calibrated on the statistics the float model really has, and each
+layer's measured error is against the true float reference rather than against inputs
+already bent by earlier layers' quantization (and one forward per layer suffices).
+
+Memory: one float32 decoder layer, the calibration hidden states (num_samples x seq_len x
+hidden x 4 bytes, twice), and the shard being filled (<= 2 GB); never the whole model.
+
+Output (see quant/checkpoint_format.py for quantization_config):
+    config.json               the source config + architectures + dtype bfloat16 + quantization_config
+    generation_config.json
+    tokenizer files           tokenizer.save_pretrained
+    model*.safetensors        <linear>.weight int8 [out, in], <linear>.weight_scale float32 [out, 1],
+                              <linear>.bias, norms, embed_tokens, lm_head (if untied) in bfloat16
+"""
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from eightbit.calibrate.smoothquant import ALPHA_GRID, POINTS, smooth_layer
+from eightbit.calibrate.stats import collect_layer_stats
+from eightbit.quant.checkpoint_format import build_quantization_config
+from eightbit.quant.errors import QuantizeError
+from eightbit.quant.hf_layers import DecoderLayers, architecture
+from eightbit.quant.int8 import quantize_per_channel
+from eightbit.quant.schemes import KVCacheScheme, QuantScheme, head_dim
+from eightbit.quant.writer import DEFAULT_SHARD_BYTES, ShardWriter, atomic_output_dir
+
+FLOAT_DTYPE = torch.bfloat16  # non-Linear tensors: what the engine computes in
+
+
+def _finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise QuantizeError(f"tensor {name!r} holds NaN or inf values")
+    return t
+
+
+def _write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module) -> None:
+    """Linear weights -> int8 + float32 scale; everything else (norms, biases) -> bfloat16."""
+    linears = {n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, p in layer.named_parameters():
+        full = prefix + name
+        module, _, kind = name.rpartition(".")
+        _finite(full, p)
+        if module in linears and kind == "weight":
+            q, scale = quantize_per_channel(p.data)
+            writer.add(full, q)
+            writer.add(prefix + module + ".weight_scale", scale)
+        else:
+            writer.add(full, p.data.to(FLOAT_DTYPE))
+
+
+def convert(
+    checkpoint,
+    out,
+    calibration,
+    *,
+    alpha="auto",
+    kv_group_size: int = 32,
+    overwrite: bool = False,
+    progress: bool = True,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    sample_tokens: int = 2048,
+    batch_size: int = 8,
+    tokenizer=None,
+) -> dict:
+    """Write the W8A8 checkpoint of `checkpoint` (engine.weights.Checkpoint) to `out`.
+
+    calibration: a calibrate.data.CalibrationSet. alpha: "auto", a float in [0, 1], or None
+    (no smoothing). Returns the calibration summary stored in the checkpoint.
+    """
+    config = checkpoint.config
+    kv = KVCacheScheme(group_size=kv_group_size)
+    try:
+        kv.check_head_dim(head_dim(config))
+    except ValueError as e:
+        raise QuantizeError(str(e)) from e
+    scheme = QuantScheme(kv_cache=kv)
+    layers = DecoderLayers(checkpoint)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    started = time.time()
+
+    with atomic_output_dir(out, overwrite) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        embed = _finite("model.embed_tokens.weight", checkpoint.get_tensor("model.embed_tokens.weight"))
+        if calibration.input_ids.max() >= embed.shape[0]:
+            raise QuantizeError("the calibration tokens exceed the model's vocabulary: tokenizer and model disagree")
+        hidden = F.embedding(calibration.input_ids, embed.float())
+        writer.add("model.embed_tokens.weight", embed.to(FLOAT_DTYPE))
+        del embed
+
+        records = []
+        bar = tqdm(range(len(layers)), desc="quantize layers", unit="layer", disable=not progress)
+        for i in bar:
+            prefix = layers.prefix(i)
+            layer = layers.load(i)
+            stats, hidden_next = collect_layer_stats(
+                layer, layers.run, hidden, sample_tokens=sample_tokens, batch_size=batch_size,
+                layer_name=prefix.rstrip("."),
+            )
+            record = smooth_layer(layer, stats, alpha, heads, kv_heads)
+            _write_layer(writer, prefix, layer)
+            layers.release(i)
+            del stats, layer
+            hidden = hidden_next
+            records.append(record)
+            bar.set_postfix({p: ("-" if r["alpha"] is None else r["alpha"]) for p, r in record.items()})
+        del hidden
+
+        tail = ["model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+        for name in tqdm(tail, desc="write norm/lm_head", disable=not progress):
+            try:
+                t = checkpoint.get_tensor(name)
+            except KeyError as e:
+                raise QuantizeError(f"the checkpoint has no tensor {name!r}") from e
+            writer.add(name, _finite(name, t).to(FLOAT_DTYPE))
+        writer.close()
+
+        summary = _summary(calibration, alpha, sample_tokens, records, time.time() - started)
+        _write_config(tmp, config, build_quantization_config(scheme, summary))
+        for step in tqdm(("generation_config", "tokenizer"), desc="write config/tokenizer", disable=not progress):
+            if step == "generation_config" and checkpoint.generation_config is not None:
+                checkpoint.generation_config.save_pretrained(tmp)
+            elif step == "tokenizer":
+                (tokenizer or checkpoint.load_tokenizer()).save_pretrained(tmp)
+    return summary
+
+
+def _summary(calibration, alpha, sample_tokens, records, seconds) -> dict:
+    def mean(key, point):
+        return sum(r[point][key] for r in records) / len(records)
+
+    return {
+        "data": calibration.summary(),
+        "method": "smoothquant",
+        "alpha": alpha if alpha in ("auto", None) else float(alpha),
+        "alpha_grid": list(ALPHA_GRID) if alpha == "auto" else None,
+        "error_metric": "relative squared error of the W8A8 linear outputs vs float, summed over the point's "
+        "Linears, on the sampled calibration tokens",
+        "sample_tokens": sample_tokens,
+        "next_layer_inputs": "float",
+        "mean_error": {p.name: mean("error", p.name) for p in POINTS},
+        "mean_error_unsmoothed": {p.name: mean("error_unsmoothed", p.name) for p in POINTS},
+        "layers": records,
+        "seconds": round(seconds, 1),
+    }
+
+
+def _write_config(folder: Path, config, quantization_config: dict) -> None:
+    d = copy.deepcopy(config).to_dict()
+    d.pop("quantization_config", None)
+    d.pop("torch_dtype", None)
+    if not d.get("architectures"):
+        d["architectures"] = [architecture(config)]
+    d["dtype"] = "bfloat16"
+    d["quantization_config"] = quantization_config
+    (Path(folder) / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,98 @@
+"""Transformers' own decoder layers, one at a time, with their tensors streamed from a Checkpoint.
+
+The whole model is built once on the meta device (no memory); `load(i)` gives decoder layer i
+real float32 tensors read one by one from the checkpoint, `release(i)` sends them back to
+meta. `run(layer, x)` calls the layer as the HF model does: RoPE (cos, sin) from the model's
+own rotary embedding at positions 0..T-1, and an explicit causal mask.
+"""
+
+import copy
+
+import torch
+
+from eightbit.quant.errors import QuantizeError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def check_supported(config) -> None:
+    """Raise QuantizeError unless the config is a Llama-architecture model eightbit runs."""
+    mt = getattr(config, "model_type", None)
+    if mt not in ARCHITECTURES:
+        raise QuantizeError(
+            f"unsupported model type {mt!r}: eightbit quantizes the Llama family ({', '.join(ARCHITECTURES)})"
+        )
+    if mt == "mistral" and getattr(config, "sliding_window", None) is not None:
+        raise QuantizeError(f"mistral with sliding_window={config.sliding_window} is not supported (only full attention)")
+    if mt == "qwen2" and getattr(config, "use_sliding_window", False):
+        raise QuantizeError("qwen2 with use_sliding_window=True is not supported (only full attention)")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise QuantizeError(f"unsupported hidden_act {act!r}: eightbit's MLP is SiLU(gate) * up")
+    arch = getattr(config, "architectures", None) or []
+    if arch and arch[0] != ARCHITECTURES[mt]:
+        raise QuantizeError(f"unsupported architecture {arch[0]!r} for model type {mt!r}")
+
+
+def architecture(config) -> str:
+    return ARCHITECTURES[config.model_type]
+
+
+class DecoderLayers:
+    def __init__(self, checkpoint):
+        from transformers import AutoModelForCausalLM
+
+        check_supported(checkpoint.config)
+        self.checkpoint = checkpoint
+        config = copy.deepcopy(checkpoint.config)
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        self.config = self.model.config
+        self.layers = self.model.model.layers
+        rotary_cls = type(self.model.model.rotary_emb)
+        self.rotary = rotary_cls(config=self.config)  # on the CPU: its buffers are computed, not loaded
+        self._rope = {}
+
+    def __len__(self):
+        return len(self.layers)
+
+    def prefix(self, i: int) -> str:
+        return f"model.layers.{i}."
+
+    def load(self, i: int) -> torch.nn.Module:
+        """Decoder layer i with float32 tensors from the checkpoint (NaN/inf is a QuantizeError)."""
+        layer = self.layers[i]
+        state = {}
+        for name, p in layer.named_parameters():
+            full = self.prefix(i) + name
+            try:
+                t = self.checkpoint.get_tensor(full)
+            except KeyError as e:
+                raise QuantizeError(f"the checkpoint has no tensor {full!r}") from e
+            if tuple(t.shape) != tuple(p.shape):
+                raise QuantizeError(f"tensor {full!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
+            t = t.float()
+            if not torch.isfinite(t).all():
+                raise QuantizeError(f"tensor {full!r} holds NaN or inf values")
+            state[name] = t
+        layer.load_state_dict(state, strict=True, assign=True)
+        layer.eval()
+        return layer
+
+    def release(self, i: int) -> None:
+        self.layers[i].to("meta")
+
+    def _rope_for(self, t: int):
+        if t not in self._rope:
+            pos = torch.arange(t).unsqueeze(0)
+            cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32), pos)
+            mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1).view(1, 1, t, t)
+            self._rope = {t: (pos, (cos, sin), mask)}
+        return self._rope[t]
+
+    @torch.no_grad()
+    def run(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] float32 -> the layer's output [B, T, H]."""
+        pos, rope, mask = self._rope_for(x.shape[1])
+        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        return out[0] if isinstance(out, tuple) else out
