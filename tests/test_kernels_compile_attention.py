@@ -1,0 +1,97 @@
+"""Compile every attention kernel, for each entry of kernels/attention_configs.py, for sm_90.
+
+Runs in a subprocess without TRITON_INTERPRET (other test modules set it in this process),
+through triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)): no GPU needed, so
+CI catches kernels that the interpreter accepts but the compiler rejects, and configs whose
+shared memory does not fit a Hopper multiprocessor.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels.kv_write import _rope_kv_write_kernel
+    from eightbit.kernels.prefill_attention import _prefill_kernel
+    from eightbit.kernels.decode_attention import _decode_kernel, _decode_reduce_kernel
+
+    target = GPUTarget("cuda", 90, 32)
+    results = []
+
+    def build(name, fn, ptrs, scalars, consts, opts):
+        sig = {}
+        for a in fn.arg_names:
+            if a in consts:
+                sig[a] = "constexpr"
+            elif a in ptrs:
+                sig[a] = ptrs[a]
+            else:
+                sig[a] = scalars.get(a, "i32")
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=opts)
+        results.append(dict(name=name, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
+                            ptx_has_mma=("mma" in k.asm["ptx"]), cubin=len(k.asm["cubin"])))
+
+    def cache_ptrs(kind):
+        if kind == "int8":
+            return {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}
+        return {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16"}
+
+    which = sys.argv[1]
+    if which == "prefill":
+        for (d, kind), cfg in sorted(C.PREFILL.items()):
+            cfg = dict(cfg)
+            ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache_ptrs(kind), "block_tables_ptr": "*i32",
+                    "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32"}
+            consts = dict(QPK=4, HEAD_DIM=d, GROUP=32 if kind == "int8" else d, PAGE_SIZE=16,
+                          BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), QUANT=kind == "int8")
+            build(f"prefill d{d} {kind}", _prefill_kernel, ptrs, {"qk_scale": "fp32"}, consts, cfg)
+    elif which == "decode":
+        for (d, kind), cfg in sorted(C.DECODE.items()):
+            for splits in (1, 8):
+                c = dict(cfg)
+                ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                        **cache_ptrs(kind), "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+                consts = dict(QPK=4, QPK_PAD=16, HQ=32, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
+                              PAGE_SIZE=16, BLOCK_N=c.pop("BLOCK_N"), NUM_SPLITS=splits, QUANT=kind == "int8")
+                build(f"decode d{d} {kind} splits{splits}", _decode_kernel, ptrs, {"qk_scale": "fp32"}, consts, c)
+            build(f"reduce d{d}", _decode_reduce_kernel,
+                  {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}, {},
+                  dict(HQ=32, HEAD_DIM=d, NUM_SPLITS=8, SPLITS_PAD=8), dict(C.REDUCE))
+        for d in (64, 128):
+            for kind in ("int8", "float"):
+                for rope in (True, False):
+                    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_out_ptr": "*bf16",
+                            "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", **cache_ptrs(kind), "slot_ptr": "*i64"}
+                    consts = dict(HQ=32, HKV=8, HQ_PAD=32, HKV_PAD=8, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
+                                  PAGE_SIZE=16, ROPE=rope, QUANT=kind == "int8")
+                    build(f"kv_write d{d} {kind} rope={rope}", _rope_kv_write_kernel, ptrs, {}, consts, dict(C.KV_WRITE))
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_attention_kernels_compile_for_sm90(which):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, which], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
+    results = json.loads(line[len("RESULTS "):])
+    assert results
+    for r in results:
+        assert r["cubin"] > 0, r
+        assert r["shared"] <= HOPPER_SMEM, r
+        if not r["name"].startswith(("kv_write", "reduce")):
+            assert r["ptx_has_mma"], f"{r['name']}: no tensor-core instructions in the PTX"
