@@ -264,11 +264,9 @@ TARGET_SHAPES = [  # (N, K): Llama-3-8B, Llama-3.2-1B, SmolLM2-135M
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("nk", TARGET_SHAPES, ids=str)
-@pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 100, 257, 1024, 4096])
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 1024, 4096])
 def test_gemm_gpu_table_shapes(nk, m):
     n, k = nk
-    if m >= 1024 and n * k > 4096 * 14336 // 2 and m * n > 4096 * 16384:
-        m = 1000  # keep the double-precision reference affordable
     g = _gen(m + n + k)
     xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
     xq[0, :64] = -128
@@ -288,14 +286,14 @@ def test_gemm_gpu_table_shapes(nk, m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", SMALL_CONFIGS + [GemmConfig(16, 64, 256, 1, 8, 4, 4), GemmConfig(128, 256, 128, 8, 1, 8, 3)],
+@pytest.mark.parametrize("cfg", [SMALL_CONFIGS[1], GemmConfig(16, 64, 256, 1, 8, 4, 4), GemmConfig(128, 256, 128, 8, 1, 8, 3)],
                          ids=lambda c: "x".join(map(str, c.key())))
-@pytest.mark.parametrize("shape", SHAPES + [(64, 4096, 4096), (300, 1000, 1000)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 50, 100), (33, 20, 32), (70, 96, 200), (64, 4096, 4096), (300, 1000, 1000)],
+                         ids=str)
 def test_gemm_gpu_configs(cfg, shape):
     _check_gemm_exact("cuda", cfg, *shape[:2], min(shape[2], 1000), seed=1)
     for bias in (False, True):
         _check_gemm_ref("cuda", cfg, *shape, seed=2, out_dtype=torch.bfloat16, with_bias=bias, exact=False)
-        _check_gemm_ref("cuda", cfg, *shape, seed=2, out_dtype=torch.float32, with_bias=bias, exact=False)
 
 
 @gpu

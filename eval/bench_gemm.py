@@ -1,0 +1,214 @@
+"""Benchmark the W8A8 GEMM and the fused quantizers on the GPU against bf16 cuBLAS and torch._int_mm.
+
+    python eval/bench_gemm.py [--json results.json] [--md table.md] [--quick]
+
+One process measures, on the same card: the device-to-device copy bandwidth (bytes
+read + written per second of a 1 GiB copy), then for Llama-3-8B and Llama-3.2-1B's
+linear shapes (qkv, o, gate_up, down) and M in {1, 8, ..., 8192}:
+
+* bf16  F.linear (cuBLAS), bf16 weights
+* int_mm  torch._int_mm + dequant in plain torch (M > 16 only: it refuses smaller M)
+* ours_gemm  int8_gemm alone (the activation already quantized)
+* ours  quant_per_token + int8_gemm (what a linear layer without a fused producer costs)
+
+Every variant is timed as CUDA-graph replays (no launch gaps) over several copies
+of the weights, rotated, so their bytes exceed the L2 cache and every call reads
+its weights from HBM. Reported: microseconds, TOP/s and % of the int8 dense
+tensor-core peak (1979 TOP/s for H100/H200 SXM), weight GB/s and % of the copy
+bandwidth, and speedups. Then rmsnorm_quant / silu_mul_quant bandwidth.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+INT8_PEAK_TOPS = 1979.0
+MODELS = {
+    "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "llama3.2-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+}
+M_LIST = (1, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
+ROTATE_BYTES = 320 * 2**20  # weight copies per variant: at least this many bytes, > the 50-60 MB L2
+
+
+def n_copies(nbytes, cap=48):
+    return max(1, min(cap, math.ceil(ROTATE_BYTES / max(1, nbytes))))
+
+
+def time_graph(fns, target_ms=3.0, replays=5):
+    """Median microseconds per call of the callables in fns (called in turn), timed as CUDA-graph replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:  # warm-up (compiles, allocates) outside capture
+            f()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for f in fns:
+            f()
+        end.record()
+        torch.cuda.synchronize()
+        est_ms = max(start.elapsed_time(end), 1e-3)
+        reps = max(1, min(200, int(target_ms / est_ms)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                for f in fns:
+                    f()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / (reps * len(fns)))
+    del graph
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    """Bytes read + written per second of a 1 GiB device-to-device copy (GB/s)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_graph([lambda: dst.copy_(src)], target_ms=20)
+    del src, dst
+    return 2 * 2**30 / (us * 1e-6) / 1e9
+
+
+def bench_linear(m, n, k, with_int_mm=True):
+    from eightbit.kernels.int8_gemm import int8_gemm
+    from eightbit.kernels.quant_per_token import quant_per_token
+
+    dev = "cuda"
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    xq, xs = quant_per_token(x)
+    res = {}
+    nc8 = n_copies(n * k)
+    wq = [torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8) for _ in range(nc8)]
+    ws = [torch.rand(n, 1, device=dev) * 0.01 for _ in range(nc8)]
+    res["ours_gemm"] = time_graph([lambda i=i: int8_gemm(xq, xs, wq[i], ws[i]) for i in range(nc8)])
+
+    def ours(i):
+        q, s = quant_per_token(x)
+        return int8_gemm(q, s, wq[i], ws[i])
+
+    res["ours"] = time_graph([lambda i=i: ours(i) for i in range(nc8)])
+    if with_int_mm and m > 16:
+        wt = [w.t() for w in wq]  # [K, N] column-major: cuBLAS's int8 "TN" layout
+
+        def int_mm(i):
+            acc = torch._int_mm(xq, wt[i])
+            return (acc.float() * xs * ws[i].view(1, -1)).to(torch.bfloat16)
+
+        try:
+            res["int_mm"] = time_graph([lambda i=i: int_mm(i) for i in range(nc8)])
+        except RuntimeError as e:
+            print(f"  _int_mm failed at M={m} N={n} K={k}: {str(e)[:100]}", file=sys.stderr)
+    del wq, ws
+    nc16 = n_copies(2 * n * k)
+    wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(nc16)]
+    res["bf16"] = time_graph([lambda i=i: F.linear(x, wb[i]) for i in range(nc16)])
+    del wb
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_rows(copy_gbs):
+    from eightbit.kernels.rmsnorm_quant import rmsnorm_quant
+    from eightbit.kernels.silu_mul_quant import silu_mul_quant
+
+    rows = []
+    for m in (1, 64, 4096, 16384):
+        h = 4096
+        nc = n_copies(m * h * 2)
+        xs = [torch.randn(m, h, device="cuda", dtype=torch.bfloat16) for _ in range(nc)]
+        rs = [torch.randn(m, h, device="cuda", dtype=torch.bfloat16) for _ in range(nc)]
+        w = torch.rand(h, device="cuda", dtype=torch.bfloat16)
+        us = time_graph([lambda i=i: rmsnorm_quant(xs[i], w, 1e-5, rs[i]) for i in range(nc)])
+        nbytes = m * h * (2 + 2 + 2 + 1) + m * 4 + h * 2  # x, residual in; residual, q, scale out
+        rows.append(("rmsnorm_quant+residual", m, h, us, nbytes / us / 1e3))
+        del xs, rs
+        i_ = 14336
+        nc = n_copies(m * 2 * i_ * 2)
+        gus = [torch.randn(m, 2 * i_, device="cuda", dtype=torch.bfloat16) for _ in range(nc)]
+        us = time_graph([lambda i=i: silu_mul_quant(gus[i]) for i in range(nc)])
+        nbytes = m * i_ * (4 + 1) + m * 4
+        rows.append(("silu_mul_quant", m, i_, us, nbytes / us / 1e3))
+        del gus
+        torch.cuda.empty_cache()
+    return [dict(op=o, m=m, n=n, us=us, gbs=g, pct_copy=100 * g / copy_gbs) for o, m, n, us, g in rows]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--md", help="write the markdown table here")
+    ap.add_argument("--quick", action="store_true", help="8B shapes, fewer M")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    dev_name = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth()
+    print(f"device: {dev_name}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    models = {"llama3-8b": MODELS["llama3-8b"]} if args.quick else MODELS
+    m_list = (1, 16, 64, 1024, 4096) if args.quick else M_LIST
+    lin = []
+    for model, shapes in models.items():
+        for name, (n, k) in shapes.items():
+            for m in m_list:
+                r = bench_linear(m, n, k)
+                row = dict(model=model, op=name, m=m, n=n, k=k, **{f"us_{v}": t for v, t in r.items()})
+                ops = 2.0 * m * n * k
+                for v, t in r.items():
+                    row[f"tops_{v}"] = ops / t / 1e6
+                    wbytes = n * k * (2 if v == "bf16" else 1)
+                    row[f"wgbs_{v}"] = wbytes / t / 1e3
+                lin.append(row)
+                print(
+                    f"{model:12s} {name:8s} M={m:5d}  bf16 {r['bf16']:9.1f}us  int_mm {r.get('int_mm', float('nan')):9.1f}us  "
+                    f"ours {r['ours']:9.1f}us  gemm {r['ours_gemm']:9.1f}us  x{r['bf16'] / r['ours']:.2f}",
+                    flush=True,
+                )
+    rows = bench_rows(copy_gbs)
+    md = render_markdown(dev_name, copy_gbs, lin, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev_name, copy_gbs=copy_gbs, linear=lin, rows=rows), f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    print(md)
+
+
+def render_markdown(dev_name, copy_gbs, lin, rows):
+    out = [f"Device: {dev_name}; device-to-device copy {copy_gbs:.0f} GB/s (read + write). "
+           f"int8 peak taken as {INT8_PEAK_TOPS:.0f} TOP/s.", ""]
+    out.append("| model | op | M | bf16 µs | int_mm+dq µs | ours µs (quant+gemm) | gemm µs | gemm TOP/s | % int8 peak "
+               "| gemm weight GB/s | % copy bw | bf16/ours | bf16/gemm | int_mm/gemm |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in lin:
+        im = r.get("us_int_mm")
+        out.append(
+            f"| {r['model']} | {r['op']} | {r['m']} | {r['us_bf16']:.1f} | {im:.1f} | " if im else
+            f"| {r['model']} | {r['op']} | {r['m']} | {r['us_bf16']:.1f} | — | ")
+        out[-1] += (
+            f"{r['us_ours']:.1f} | {r['us_ours_gemm']:.1f} | {r['tops_ours_gemm']:.0f} | "
+            f"{100 * r['tops_ours_gemm'] / INT8_PEAK_TOPS:.0f}% | {r['wgbs_ours_gemm']:.0f} | "
+            f"{100 * r['wgbs_ours_gemm'] / copy_gbs:.0f}% | {r['us_bf16'] / r['us_ours']:.2f} | "
+            f"{r['us_bf16'] / r['us_ours_gemm']:.2f} | " + (f"{im / r['us_ours_gemm']:.2f} |" if im else "— |"))
+    out += ["", "| fused op | M | row | µs | GB/s | % copy bw |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['op']} | {r['m']} | {r['n']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f}% |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Compile every committed int8_gemm configuration (and the defaults) for sm_90 on the CPU.
+
+No GPU is needed: triton.compile with a GPUTarget runs the whole pipeline down to
+a cubin with the ptxas shipped in the triton wheel. This catches configurations
+that cannot be built (shared memory over the limit, bad block shapes, int8 dots
+with BLOCK_K < 32) before they reach the GPU. It runs in a subprocess so that
+TRITON_INTERPRET, which the interpreted kernel tests set, is not in effect.
+"""
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+HOPPER_SMEM = 232448  # bytes of shared memory a block may use on sm_90
+
+
+def _gemm_jobs():
+    from eightbit.kernels import gemm_configs as gc
+
+    jobs = set()
+    shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
+    for (mb, n, k), cfg in gc.table_entries().items():
+        jobs.add((cfg, k % cfg.block_k == 0))
+    for n, k in shapes:
+        for m in gc.M_BUCKETS:
+            cfg = gc.default_config(m, n, k)
+            jobs.add((cfg, k % cfg.block_k == 0))
+    return sorted(jobs, key=lambda j: (j[0].key(), j[1]))
+
+
+def _compile_gemm(job):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from eightbit.kernels.int8_gemm import _int8_gemm_kernel
+
+    cfg, even_k = job
+    fn = _int8_gemm_kernel
+    sig = {
+        "a_ptr": "*i8", "xs_ptr": "*fp32", "b_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
+        "c_ptr": "*bf16", "part_ptr": "*i32", "lock_ptr": "*i32",
+        "M": "i32", "N": "i32", "K": "i32",
+        "stride_am": "i32", "stride_ak": "constexpr", "stride_bn": "i32", "stride_bk": "constexpr",
+        "stride_cm": "i32", "stride_cn": "constexpr",
+    }
+    consts = {
+        "stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_BIAS": True,
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
+        "SPLIT_K": cfg.split_k, "EVEN_K": even_k,
+    }
+    for name in consts:
+        sig[name] = "constexpr"
+    div16 = ["a_ptr", "xs_ptr", "b_ptr", "ws_ptr", "bias_ptr", "c_ptr", "part_ptr", "lock_ptr",
+             "N", "K", "stride_am", "stride_bn", "stride_cm"]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return cfg.key(), even_k, k.metadata.shared, k.n_regs if hasattr(k, "n_regs") else None
+
+
+def _compile_row(job):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from eightbit.kernels.quant_per_token import row_launch_params
+    from eightbit.kernels.rmsnorm_quant import _rmsnorm_kernel
+    from eightbit.kernels.silu_mul_quant import _silu_mul_kernel
+
+    which, n, quant = job
+    block, num_warps = row_launch_params(n)
+    if which == "rms":
+        fn = _rmsnorm_kernel
+        sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+               "q_ptr": "*i8", "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "stride_x": "i32",
+               "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32", "stride_q": "i32"}
+        consts = {"HAS_RESIDUAL": True, "QUANT": quant, "BLOCK_H": block}
+    else:
+        fn = _silu_mul_kernel
+        sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "I": "i32",
+               "stride_gu": "i32", "stride_out": "i32", "stride_q": "i32"}
+        consts = {"QUANT": quant, "BLOCK_I": block}
+    for name in consts:
+        sig[name] = "constexpr"
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return job
+
+
+def main():
+    jobs = _gemm_jobs()
+    rows = [("rms", 4096, True), ("rms", 576, False), ("silu", 14336, True), ("silu", 1536, False)]
+    failed = []
+    with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        futures = [(j, pool.submit(_compile_gemm, j)) for j in jobs] + [(r, pool.submit(_compile_row, r)) for r in rows]
+        for job, fut in futures:
+            try:
+                res = fut.result()
+                if isinstance(res, tuple) and len(res) == 4 and res[2] > HOPPER_SMEM:
+                    failed.append((job, f"shared memory {res[2]} > {HOPPER_SMEM}"))
+                print("ok", res, flush=True)
+            except Exception as e:  # noqa: BLE001
+                failed.append((job, repr(e)[:300]))
+    print(f"compiled {len(jobs)} gemm configs and {len(rows)} row kernels; {len(failed)} failed")
+    for job, why in failed:
+        print("FAILED", job, why)
+    sys.exit(1 if failed else 0)
+
+
+def test_every_gemm_config_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"compile failures:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+
+
+if __name__ == "__main__":
+    main()
