@@ -3,22 +3,22 @@
 Triton twin of reference.decode_attention: one query per sequence, q [B, Hq, D] at position
 seq_lens[b] - 1, so it sees keys 0 .. seq_lens[b] - 1.
 
-Stage 1, grid (Hkv, B, NUM_SPLITS), one program per (kv head, sequence, context split):
+Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context split):
   * The Q tile is the whole group of Hq / Hkv query heads sharing the kv head, padded to
     >= 16 rows so tl.dot can use the tensor cores; each K/V tile is therefore read from
     memory ONCE for the group (decode is bound by KV bytes, not arithmetic).
-  * Split s covers keys [s * L, min((s + 1) * L, seq_len)) with L = seq_len / NUM_SPLITS
+  * Split s covers keys [s * L, min((s + 1) * L, seq_len)) with L = seq_len / num_splits
     rounded up to BLOCK_N: computed in the kernel from seq_lens, so the launch grid depends on
     shapes only (CUDA-graph capturable) and short sequences still spread over all splits.
   * K/V tiles of BLOCK_N keys are gathered through the block table (a tile may span several
     pages); int8 tiles are dequantized in registers (int8 * fp16 group scale), then cast to
     q.dtype; online softmax in base 2 (log2(e) folded into the scale).
-  * With NUM_SPLITS == 1 the program writes the output directly; otherwise it writes its
+  * With one split the program writes the output directly; otherwise it writes its
     normalized partial output (fp32) and log2-sum-exp, and
 Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
 
-NUM_SPLITS comes from the shapes (batch x kv heads vs. the multiprocessor count, and
+num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the multiprocessor count, and
 block_tables.shape[1] * page size): see attention_configs.decode_num_splits.
 The kv head is the fastest grid axis, so programs reading neighbouring heads of one token
 (whose scales share a 32-byte sector) run together.
@@ -34,26 +34,26 @@ from .attention_configs import REDUCE, decode_config, decode_num_splits
 from .prefill_attention import LOG2E, _load_kv_tile, check_attention_inputs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     # pointers
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
     # scalars
-    qk_scale,
+    qk_scale, num_splits,
     # strides (elements)
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_cp, stride_ch, stride_sb, stride_sp, stride_sh, stride_bt,
     # sizes and modes
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr,
+    SPLIT: tl.constexpr, QUANT: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -91,7 +91,7 @@ def _decode_kernel(
         acc = tl.dot(p.to(q.dtype), v, acc)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padded batch slot) -> zeros
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -99,23 +99,23 @@ def _decode_kernel(
         nonempty = l_i > 0
         o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        # partials laid out [B, HQ, NUM_SPLITS, HEAD_DIM] and [B, HQ, NUM_SPLITS]
-        row_base = (b * HQ + heads) * NUM_SPLITS + split
+        # partials laid out [B, HQ, num_splits, HEAD_DIM] and [B, HQ, num_splits]
+        row_base = (b * HQ + heads) * num_splits + split
         tl.store(part_out_ptr + row_base[:, None] * HEAD_DIM + cols[None, :], o, mask=row_ok[:, None])
         tl.store(part_lse_ptr + row_base, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     cols = tl.arange(0, HEAD_DIM)
-    base = (b * HQ + h) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    base = (b * HQ + h) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty only for seq_len 0 (padding)
     w = tl.math.exp2(lse - m)
@@ -173,16 +173,16 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     vs = v_scale if quant else v_cache
     _decode_kernel[(hkv, bsz, splits)](
         q, out, part_out, part_lse, k_cache, v_cache, ks, vs, block_tables, seq_lens,
-        float(softmax_scale) * LOG2E,
+        float(softmax_scale) * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables.stride(0),
         QPK=qpk, QPK_PAD=max(16, triton.next_power_of_2(qpk)), HQ=hq, HEAD_DIM=d, GROUP=group,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, NUM_SPLITS=splits, QUANT=quant, **cfg,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, **cfg,
     )
     if splits > 1:
         _decode_reduce_kernel[(bsz, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            HQ=hq, HEAD_DIM=d, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), **REDUCE,
+            part_out, part_lse, out, splits, out.stride(0), out.stride(1),
+            HQ=hq, HEAD_DIM=d, SPLITS_PAD=triton.next_power_of_2(splits), **REDUCE,
         )
     return out

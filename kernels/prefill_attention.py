@@ -67,7 +67,7 @@ def _attend_tile(
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr,
     stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    QUANT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    QUANT: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One online-softmax step over keys n_start .. n_start + BLOCK_N."""
     n = n_start + offs_n
@@ -83,10 +83,7 @@ def _attend_tile(
                       HEAD_DIM, GROUP, QUANT, MASKED, q.dtype)
     qk = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
-        if CAUSAL:
-            keep = (n[None, :] <= q_pos[:, None]) & in_seq[None, :]
-        else:
-            keep = in_seq[None, :] & (q_pos[:, None] >= 0)
+        keep = (n[None, :] <= q_pos[:, None]) & in_seq[None, :]
         qk = tl.where(keep, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
@@ -99,7 +96,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     # pointers
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -148,13 +145,13 @@ def _prefill_kernel(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
             stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
-            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False, True)
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False)
     for n_start in range(full_end, last_pos, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
             stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
-            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True, True)
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True)
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + cols[None, :]

@@ -62,11 +62,11 @@ SCRIPT = textwrap.dedent(
                 ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                         **cache_ptrs(kind), "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
                 consts = dict(QPK=4, QPK_PAD=16, HQ=32, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
-                              PAGE_SIZE=16, BLOCK_N=c.pop("BLOCK_N"), NUM_SPLITS=splits, QUANT=kind == "int8")
+                              PAGE_SIZE=16, BLOCK_N=c.pop("BLOCK_N"), SPLIT=splits > 1, QUANT=kind == "int8")
                 build(f"decode d{d} {kind} splits{splits}", _decode_kernel, ptrs, {"qk_scale": "fp32"}, consts, c)
             build(f"reduce d{d}", _decode_reduce_kernel,
                   {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}, {},
-                  dict(HQ=32, HEAD_DIM=d, NUM_SPLITS=8, SPLITS_PAD=8), dict(C.REDUCE))
+                  dict(HQ=32, HEAD_DIM=d, SPLITS_PAD=8), dict(C.REDUCE))
         for d in (64, 128):
             for kind in ("int8", "float"):
                 for rope in (True, False):

@@ -1,0 +1,424 @@
+"""Benchmark the attention kernels against the HBM limit and SDPA (one process, one GPU).
+
+    python -m eightbit.eval.bench_attention --out DIR [--sweep] [--quick]
+
+1. Device-to-device copy bandwidth (bytes read + written per second): the ceiling.
+2. (--sweep) a few block-size candidates per kernel at the goal shapes; the best is used for
+   the rest of the run and printed, so it can be committed to kernels/attention_configs.py.
+3. Prefill, causal, full-sequence: TFLOP/s of ours (bf16 cache, int8 cache) vs SDPA bf16
+   (cuDNN and flash backends), d in {64, 128}, seq 512..8192, 32 q / 8 kv heads.
+4. Decode, 32 q / 8 kv heads, d=128: batch x context; ours int8 / bf16 over a paged cache
+   (random block permutation) and over an identity table (contiguous), vs SDPA bf16 on
+   contiguous [B, Hkv, S, D]; each timed by replaying a CUDA graph of calls over several
+   cache copies (so small shapes do not sit in L2). Bytes = the values + scales read.
+Writes DIR/attention_bench.json and prints a short table last.
+"""
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HQ, HKV, PAGE = 32, 8, 16
+GROUP = 32
+L2_ROTATE_BYTES = 256 << 20
+
+
+# --- timing ------------------------------------------------------------------------------
+
+
+def time_graph(fns, min_ms=60.0):
+    """Median ms per call of fns (a list of closures), replayed as one CUDA graph."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e3
+    reps = max(3, min(40, int(min_ms / max(one, 1e-3))))
+    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        st[i].record()
+        g.replay()
+        en[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(st, en))
+    del g
+    return times[len(times) // 2] / len(fns)
+
+
+def time_eager(fn, min_ms=100.0):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e3
+    reps = max(3, min(30, int(min_ms / max(one, 1e-3))))
+    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        st[i].record()
+        fn()
+        en[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(st, en))
+    return times[len(times) // 2]
+
+
+def copy_bandwidth():
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    ms = time_eager(lambda: b.copy_(a), 200)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e9  # GB/s, read + write
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+
+def make_cache(num_blocks, d, kind):
+    shape = (num_blocks, PAGE, HKV, d)
+    if kind == "int8":
+        kc = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        vc = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        sshape = (num_blocks, PAGE, HKV, d // GROUP)
+        ks = (torch.rand(sshape, device="cuda") * 0.02 + 0.001).half()
+        vs = (torch.rand(sshape, device="cuda") * 0.02 + 0.001).half()
+        return kc, vc, ks, vs
+    kc = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    vc = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    return kc, vc, None, None
+
+
+def kv_bytes_per_token(d, kind):
+    if kind == "int8":
+        return HKV * (2 * d + 2 * 2 * (d // GROUP))
+    return HKV * 2 * d * 2
+
+
+def set_config(table, key, cfg):
+    from eightbit.kernels import attention_configs as C
+
+    getattr(C, table)[key] = dict(cfg)
+
+
+# --- precompile in parallel (fills Triton's disk cache) ---------------------------------------
+
+
+def _warm_job(job):
+    try:
+        sys.path.insert(0, os.getcwd())
+        from eightbit.kernels.decode_attention import decode_attention_splits
+        from eightbit.kernels.prefill_attention import prefill_attention
+
+        what, d, kind, cfg = job
+        set_config("PREFILL" if what == "prefill" else "DECODE", (d, kind), cfg)
+        caches = make_cache(32, d, kind)
+        bt = torch.randperm(32, device="cuda", dtype=torch.int32).view(2, 16).contiguous()
+        if what == "prefill":
+            q = torch.randn(2 * 200, HQ, d, device="cuda", dtype=torch.bfloat16)
+            cu = torch.tensor([0, 200, 400], device="cuda", dtype=torch.int32)
+            sl = torch.tensor([256, 200], device="cuda", dtype=torch.int32)
+            prefill_attention(q, *caches, bt, cu, sl, 0.1)
+        else:
+            q = torch.randn(2, HQ, d, device="cuda", dtype=torch.bfloat16)
+            sl = torch.tensor([256, 100], device="cuda", dtype=torch.int32)
+            decode_attention_splits(q, *caches, bt, sl, 0.1, 1)
+            decode_attention_splits(q, *caches, bt, sl, 0.1, 2)
+        torch.cuda.synchronize()
+        return None
+    except Exception:
+        return traceback.format_exc()
+
+
+def precompile(jobs):
+    t0 = time.perf_counter()
+    with cf.ProcessPoolExecutor(max_workers=min(12, len(jobs)), mp_context=mp.get_context("spawn")) as ex:
+        errs = [e for e in ex.map(_warm_job, jobs) if e]
+    for e in errs[:3]:
+        print("precompile error:", e[-1500:], flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# --- prefill -------------------------------------------------------------------------------
+
+
+def prefill_case(d, seq, kinds=("bf16", "int8"), sdpa=True, total_tokens=16384):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from eightbit.kernels.prefill_attention import prefill_attention
+
+    b = max(1, total_tokens // seq)
+    flops = 2 * b * HQ * seq * seq * d  # causal: half of 4 * B * H * S^2 * D
+    row = dict(d=d, seq=seq, batch=b)
+    nblk = b * seq // PAGE
+    bt = torch.randperm(nblk, device="cuda", dtype=torch.int32).view(b, seq // PAGE).contiguous()
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * seq
+    sl = torch.full((b,), seq, device="cuda", dtype=torch.int32)
+    q = torch.randn(b * seq, HQ, d, device="cuda", dtype=torch.bfloat16)
+    for kind in kinds:
+        caches = make_cache(nblk, d, kind)
+        ms = time_eager(lambda: prefill_attention(q, *caches, bt, cu, sl, d ** -0.5))
+        row[f"ours_{kind}_ms"] = ms
+        row[f"ours_{kind}_tflops"] = flops / ms / 1e9
+        if kind == "bf16" and sdpa:  # sanity: ours vs SDPA on the same data
+            kd = caches[0][bt.long()].flatten(1, 2).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+            vd = caches[1][bt.long()].flatten(1, 2).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+            qd = q.view(b, seq, HQ, d).transpose(1, 2)
+            ref = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+            out = prefill_attention(q, *caches, bt, cu, sl, d ** -0.5).view(b, seq, HQ, d).transpose(1, 2)
+            row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+            del kd, vd, ref, out
+        del caches
+    if sdpa:
+        qs = torch.randn(b, HQ, seq, d, device="cuda", dtype=torch.bfloat16)
+        ks, vs = torch.randn_like(qs), torch.randn_like(qs)
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    ms = time_eager(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+                row[f"sdpa_{name}_ms"] = ms
+                row[f"sdpa_{name}_tflops"] = flops / ms / 1e9
+            except Exception as e:  # backend not available for this shape
+                row[f"sdpa_{name}_error"] = str(e)[:200]
+    torch.cuda.empty_cache()
+    return row
+
+
+# --- decode --------------------------------------------------------------------------------
+
+
+def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa=True):
+    from eightbit.kernels.decode_attention import decode_attention, num_splits_for
+
+    nb_seq = ctx // PAGE
+    per_copy_bf16 = batch * ctx * kv_bytes_per_token(d, "bf16")
+    copies = max(1, min(64, math.ceil(L2_ROTATE_BYTES / per_copy_bf16)))
+    nblk = copies * batch * nb_seq
+    perm = torch.randperm(nblk, device="cuda", dtype=torch.int32).view(copies, batch, nb_seq)
+    ident = torch.arange(nblk, device="cuda", dtype=torch.int32).view(copies, batch, nb_seq)
+    tables = {"paged": [perm[c].contiguous() for c in range(copies)],
+              "contig": [ident[c].contiguous() for c in range(copies)]}
+    sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, HQ, d, device="cuda", dtype=torch.bfloat16)
+    row = dict(batch=batch, ctx=ctx, copies=copies)
+    for kind in kinds:
+        caches = make_cache(nblk, d, kind)
+        nbytes = batch * ctx * kv_bytes_per_token(d, kind) + batch * nb_seq * 4 + 2 * q.numel() * 2
+        row[f"{kind}_bytes"] = nbytes
+        row["splits"] = num_splits_for(q, caches[0], tables["paged"][0])
+        for layout in ("paged", "contig") if contiguous else ("paged",):
+            fns = [lambda t=t: decode_attention(q, *caches, t, sl, d ** -0.5) for t in tables[layout]]
+            ms = time_graph(fns)
+            row[f"ours_{kind}_{layout}_ms"] = ms
+            row[f"ours_{kind}_{layout}_GBs"] = nbytes / ms / 1e6
+        del caches
+        torch.cuda.empty_cache()
+    if sdpa:
+        nbytes = batch * ctx * kv_bytes_per_token(d, "bf16") + 2 * q.numel() * 2
+        ks = [torch.randn(batch, HKV, ctx, d, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        vs = [torch.randn_like(k) for k in ks]
+        qs = q.view(batch, HQ, 1, d)
+        try:
+            fns = [lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
+                   for k, v in zip(ks, vs)]
+            ms = time_graph(fns)
+            row["sdpa_bf16_ms"] = ms
+            row["sdpa_bf16_GBs"] = nbytes / ms / 1e6
+        except Exception as e:
+            row["sdpa_error"] = str(e)[:200]
+        del ks, vs
+    torch.cuda.empty_cache()
+    return row
+
+
+# --- sweep ---------------------------------------------------------------------------------
+
+PREFILL_CANDIDATES = {
+    128: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)],
+    64: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)],
+}
+DECODE_CANDIDATES = [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=128, num_warps=4, num_stages=3),
+                     dict(BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4),
+                     dict(BLOCK_N=64, num_warps=4, num_stages=5), dict(BLOCK_N=128, num_warps=4, num_stages=2)]
+DECODE_SWEEP_SHAPES = [(32, 8192), (1, 32768), (256, 2048)]
+
+
+def sweep(results, save):
+    from eightbit.kernels import attention_configs as C
+
+    jobs = [("prefill", d, kind, c) for d, cs in PREFILL_CANDIDATES.items() for kind in ("bf16", "int8") for c in cs]
+    jobs += [("decode", 128, kind, c) for kind in ("bf16", "int8") for c in DECODE_CANDIDATES]
+    jobs = [(w, d, "float" if k == "bf16" else k, c) for w, d, k, c in jobs]
+    precompile(jobs)
+    chosen = {}
+    for d, cands in PREFILL_CANDIDATES.items():
+        for kind in ("bf16", "int8"):
+            key = (d, "float" if kind == "bf16" else kind)
+            best = None
+            for c in cands:
+                set_config("PREFILL", key, c)
+                try:
+                    r = prefill_case(d, 4096, kinds=(kind,), sdpa=False)
+                    tf = r[f"ours_{kind}_tflops"]
+                except Exception as e:
+                    tf = 0.0
+                    print("sweep error", c, e, flush=True)
+                results["sweep"].append(dict(kernel="prefill", d=d, kind=kind, cfg=c, tflops=tf))
+                print(f"sweep prefill d{d} {kind} {c}: {tf:.0f} TFLOP/s", flush=True)
+                if best is None or tf > best[0]:
+                    best = (tf, c)
+            set_config("PREFILL", key, best[1])
+            chosen[f"prefill d{d} {kind}"] = best[1]
+            save()
+    for kind in ("int8", "bf16"):
+        key = (128, "float" if kind == "bf16" else kind)
+        best = None
+        for c in DECODE_CANDIDATES:
+            set_config("DECODE", key, c)
+            logt = 0.0
+            try:
+                for bsz, ctx in DECODE_SWEEP_SHAPES:
+                    r = decode_case(bsz, ctx, kinds=(kind,), contiguous=False, sdpa=False)
+                    logt += math.log(r[f"ours_{kind}_paged_ms"])
+                    results["sweep"].append(dict(kernel="decode", kind=kind, cfg=c, batch=bsz, ctx=ctx,
+                                                 GBs=r[f"ours_{kind}_paged_GBs"]))
+                    print(f"sweep decode {kind} {c} {bsz}x{ctx}: {r[f'ours_{kind}_paged_GBs']:.0f} GB/s", flush=True)
+            except Exception as e:
+                logt = float("inf")
+                print("sweep error", c, e, flush=True)
+            if best is None or logt < best[0]:
+                best = (logt, c)
+        set_config("DECODE", key, best[1])
+        chosen[f"decode d128 {kind}"] = best[1]
+        # d=64 decode uses the same choice
+        set_config("DECODE", (64, key[1]), best[1])
+        save()
+    results["chosen"] = chosen
+    print("CHOSEN", json.dumps(chosen), flush=True)
+    return C
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    results = dict(device=props.name, sm=props.multi_processor_count, torch=torch.__version__,
+                   date=time.strftime("%Y-%m-%d"), prefill=[], decode=[], sweep=[])
+    import triton
+
+    results["triton"] = triton.__version__
+    path = os.path.join(args.out, "attention_bench.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    bw = copy_bandwidth()
+    results["copy_GBs"] = bw
+    print(f"device {props.name}, copy bandwidth {bw:.0f} GB/s (read+write)", flush=True)
+    save()
+    if args.sweep:
+        sweep(results, save)
+    else:
+        from eightbit.kernels import attention_configs as C
+
+        jobs = [("prefill", d, k, C.PREFILL[(d, k)]) for d in (64, 128) for k in ("float", "int8")]
+        jobs += [("decode", 128, k, C.DECODE[(128, k)]) for k in ("float", "int8")]
+        precompile(jobs)
+
+    seqs = [512, 1024, 2048, 4096, 8192] if not args.quick else [4096]
+    for d in (128, 64):
+        for s in seqs:
+            try:
+                r = prefill_case(d, s)
+            except Exception as e:
+                r = dict(d=d, seq=s, error=repr(e)[:300])
+            results["prefill"].append(r)
+            print("prefill", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            save()
+    batches = [1, 8, 32, 64, 256] if not args.quick else [1, 32]
+    ctxs = [512, 2048, 8192, 32768] if not args.quick else [2048, 32768]
+    for bsz in batches:
+        for ctx in ctxs:
+            if bsz * ctx > (4 << 20) or (bsz * ctx > (2 << 20) and props.total_memory < (100 << 30)):
+                continue
+            try:
+                r = decode_case(bsz, ctx)
+            except Exception as e:
+                r = dict(batch=bsz, ctx=ctx, error=repr(e)[:300])
+                torch.cuda.empty_cache()
+            results["decode"].append(r)
+            print("decode", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            save()
+    save()
+    print_tables(results)
+
+
+def print_tables(res):
+    bw = res["copy_GBs"]
+    print(f"\n== {res['device']}  copy {bw:.0f} GB/s  ({res['date']}, torch {res['torch']}, triton {res['triton']})")
+    if res.get("chosen"):
+        print("chosen configs:", json.dumps(res["chosen"]))
+    print("\nprefill causal, 32q/8kv heads, TFLOP/s")
+    print(f"{'d':>4} {'seq':>5} {'B':>3} | {'ours bf16':>9} {'ours int8':>9} | {'cudnn':>6} {'flash':>6} | {'/flash':>6} {'/cudnn':>6}")
+    for r in res["prefill"]:
+        if "error" in r:
+            print(r)
+            continue
+        ob, oi = r.get("ours_bf16_tflops", 0), r.get("ours_int8_tflops", 0)
+        cd, fl = r.get("sdpa_cudnn_tflops", float("nan")), r.get("sdpa_flash_tflops", float("nan"))
+        print(f"{r['d']:>4} {r['seq']:>5} {r['batch']:>3} | {ob:9.0f} {oi:9.0f} | {cd:6.0f} {fl:6.0f} | {ob / fl:6.2f} {ob / cd:6.2f}")
+    print("\ndecode d=128 32q/8kv, GB/s (% of copy bw); ratios")
+    print(f"{'B':>4} {'ctx':>6} {'sp':>3} | {'int8 paged':>15} {'int8 ctg':>8} | {'bf16 paged':>15} {'bf16 ctg':>8} | "
+          f"{'sdpa bf16':>15} | {'i8/sdpa t':>9} {'bf16 pg/ctg':>11} | {'int8 ms':>8}")
+    for r in res["decode"]:
+        if "error" in r:
+            print(r)
+            continue
+
+        def g(k):
+            return r.get(k, float("nan"))
+
+        print(f"{r['batch']:>4} {r['ctx']:>6} {r.get('splits', 0):>3} | {g('ours_int8_paged_GBs'):7.0f} ({100 * g('ours_int8_paged_GBs') / bw:4.0f}%) "
+              f"{g('ours_int8_contig_GBs'):8.0f} | {g('ours_bf16_paged_GBs'):7.0f} ({100 * g('ours_bf16_paged_GBs') / bw:4.0f}%) "
+              f"{g('ours_bf16_contig_GBs'):8.0f} | {g('sdpa_bf16_GBs'):7.0f} ({100 * g('sdpa_bf16_GBs') / bw:4.0f}%) | "
+              f"{g('sdpa_bf16_ms') / g('ours_int8_paged_ms'):9.2f} {g('ours_bf16_contig_ms') / g('ours_bf16_paged_ms'):11.2f} | "
+              f"{g('ours_int8_paged_ms'):8.4f}")
+
+
+if __name__ == "__main__":
+    main()
