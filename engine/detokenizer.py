@@ -30,6 +30,7 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.stopped = False
+        self.stop_string = None  # the stop string that ended the text, once stopped
         self._pending = ""  # decoded, not yet released: could be the start of a stop string
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
         if self._decode(self._ids).endswith(_REPLACEMENT):
@@ -63,7 +64,8 @@ class IncrementalDetokenizer:
         if not self.stop:
             self.text += buf
             return buf
-        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=None)
+        found = [(i, s) for i, s in ((buf.find(s), s) for s in self.stop) if i >= 0]
+        cut, stop_string = min(found, key=lambda f: f[0], default=(None, None))
         # Earliest position from which the rest of buf is a proper prefix of some stop string:
         # a stop string may still start there, so nothing from there on can be released yet.
         hold = len(buf)
@@ -76,6 +78,7 @@ class IncrementalDetokenizer:
         if cut is not None and cut <= hold:
             # No stop string can start before `cut` any more: the earliest occurrence is final.
             out, self._pending, self.stopped = buf[:cut], "", True
+            self.stop_string = stop_string
         else:
             out, self._pending = buf[:hold], buf[hold:]
         self.text += out

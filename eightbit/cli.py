@@ -1,0 +1,75 @@
+"""The `eightbit` command: generate (and quantize, eval, bench, serve as they land)."""
+
+import argparse
+import sys
+
+
+def add_engine_args(parser):
+    """Engine options shared by every subcommand that loads a model."""
+    parser.add_argument("--model", default=None, help="HF checkpoint dir, GGUF file or int8 checkpoint "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--kv-group-size", type=int, default=None)
+    parser.add_argument("--quantization", default=None, choices=["w8a8"],
+                        help="quantize a float checkpoint's linears on load (round-to-nearest, no smoothing)")
+
+
+def engine_options(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                kv_cache_dtype=args.kv_cache_dtype, kv_group_size=args.kv_group_size,
+                quantization=args.quantization)
+
+
+def add_generate_parser(subparsers):
+    p = subparsers.add_parser("generate", help="generate text from prompts, streaming it")
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    from eightbit import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    llm = LLM(args.model, **engine_options(args))
+    prompts = args.prompts
+    if args.chat:
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    for i, prompt in enumerate(prompts):  # one prompt at a time, so its text streams in order
+        if len(prompts) > 1:
+            print(f"--- [{i}] {args.prompts[i]}", flush=True)
+        for _, out in llm.stream(prompt, params):
+            print(out.outputs[0].delta, end="", flush=True)
+        print(flush=True)
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="eightbit", description="int8 LLM inference: generate, quantize, eval")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"eightbit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

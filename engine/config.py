@@ -1,0 +1,58 @@
+"""The engine's one configuration object, validated on construction."""
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "int8")
+QUANTIZATIONS = (None, "w8a8")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF checkpoint dir, GGUF file, int8 checkpoint dir, None = embedded SmolLM2
+    dtype: str = "bfloat16"  # activations and the float weights
+    device: str | None = None  # None: cuda if available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16  # tokens per KV-cache block
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # the per-step token budget
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype, or "int8"
+    kv_group_size: int | None = None  # int8 KV: None = the checkpoint's, else 32
+    quantization: str | None = None  # "w8a8": quantize a float checkpoint's linears on load (no smoothing)
+    load_format: str = "auto"  # "dummy": random weights of the model's shapes
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float | None = None  # fixed KV-cache size; default on the CPU: 1 GiB
+    num_kv_blocks: int | None = None  # fixed block count (tests); overrides the memory-based sizing
+    enforce_eager: bool = False  # True: no CUDA graphs
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_group_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,249 @@
+"""The engine core: add requests, step (schedule → run → postprocess), abort.
+
+`LLM.generate`, streaming and the server all drive this one loop. A step runs one
+packed batch; afterwards every sequence that finished its pending tokens samples
+one token, is checked for stop conditions and detokenized incrementally.
+"""
+
+import time
+
+import torch
+
+from eightbit.engine.block_manager import BlockManager
+from eightbit.engine.config import EngineConfig
+from eightbit.engine.detokenizer import IncrementalDetokenizer
+from eightbit.engine.loader import load_model
+from eightbit.engine.model_runner import ModelRunner, kv_bytes_per_token
+from eightbit.engine.outputs import CompletionOutput, RequestOutput
+from eightbit.engine.sampler import SamplingTensors, gather_logprobs, logprobs_to_dicts, make_generator, sample
+from eightbit.engine.sampling_params import SamplingParams
+from eightbit.engine.scheduler import Scheduler
+from eightbit.engine.sequence import Request, Sequence
+
+DEFAULT_KV_GROUP_SIZE = 32
+CPU_KV_CACHE_GB = 1.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        loaded = load_model(config)
+        self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.quantized = loaded.quantized
+        self.max_model_len = self._max_model_len()
+        self.kv_dtype, self.kv_group_size = self._kv_format(loaded.kv_group_size)
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.block_manager, config.device)
+        self.runner.allocate_kv_cache(num_blocks, self.kv_dtype, self.kv_group_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.requests = {}  # request_id -> Request, until finished
+        self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
+        self.num_generated_tokens = 0
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        limit = self.hf_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+        return wanted
+
+    def _kv_format(self, checkpoint_group_size):
+        if self.config.kv_cache_dtype != "int8":
+            return self.config.torch_dtype, None
+        group = self.config.kv_group_size or checkpoint_group_size or DEFAULT_KV_GROUP_SIZE
+        head_dim = self.model.attention_layers()[0].head_dim
+        if head_dim % group:
+            raise ValueError(f"kv_group_size={group} does not divide head_dim={head_dim}")
+        return torch.int8, group
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        a = self.model.attention_layers()
+        return kv_bytes_per_token(len(a), a[0].num_kv_heads, a[0].head_dim, self.kv_dtype, self.kv_group_size)
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        bytes_per_block = self.kv_bytes_per_token * c.block_size
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        elif c.kv_cache_memory_gb is not None or not str(c.device).startswith("cuda"):
+            num_blocks = int((c.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30 // bytes_per_block)
+        else:
+            free, total = torch.cuda.mem_get_info()
+            budget = total * c.gpu_memory_utilization - (total - free)
+            num_blocks = int(budget // bytes_per_block)
+        capacity = num_blocks * c.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {c.block_size}), fewer than one "
+                f"max_model_len={self.max_model_len} sequence: raise kv_cache_memory_gb / gpu_memory_utilization / "
+                f"num_kv_blocks, or lower max_model_len"
+            )
+        return num_blocks
+
+    # --- requests -----------------------------------------------------------------------
+
+    def add_request(self, request_id, prompt, sampling_params=None, priority=0):
+        """Queue a prompt (text or token ids). Invalid input raises ValueError and changes nothing."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self.max_model_len - len(token_ids)
+        if max_tokens < 1:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room to generate within max_model_len={self.max_model_len}"
+            )
+        request = Request(request_id, text, token_ids, params, priority, time.monotonic())
+        self._init_sequence(request.seqs[0])
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+        return request
+
+    def _tokenize(self, prompt):
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer(prompt).input_ids
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return None, token_ids
+
+    def _init_sequence(self, seq: Sequence):
+        params = seq.params
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed + seq.index, self.config.device)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.stop, params.skip_special_tokens
+        )
+
+    def abort(self, request_id):
+        """Stop a request now; its KV blocks go back to the pool at once. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule → run → postprocess. Returns the requests that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.run(sched.scheduled, sched.copies)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.num_computed_tokens += n
+            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for seq, entries in result.prompt_logprobs.items():
+            for index, entry in entries:
+                seq.request.prompt_logprobs[index] = entry
+        seqs, rows = self._fork_and_rows(result.sample_seqs)
+        deltas = {}
+        if seqs:
+            deltas = self._sample(seqs, result.logits[torch.tensor(rows, device=result.logits.device)])
+        return [self._output(r, deltas) for r in {s.request.request_id: s.request for s in seqs}.values()]
+
+    def _fork_and_rows(self, sample_seqs):
+        """Expand requests with n > 1 whose prompt just finished: the n samples share its blocks."""
+        seqs, rows = [], []
+        for row, seq in enumerate(sample_seqs):
+            request = seq.request
+            family = [seq]
+            if len(request.seqs) < request.params.n:
+                for index in range(1, request.params.n):
+                    child = Sequence(request, seq.token_ids, index)
+                    child.num_prompt_tokens = seq.num_prompt_tokens
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self._init_sequence(child)
+                    self.block_manager.fork(seq.seq_id, child.seq_id)
+                    self.scheduler.add_running(child)
+                    request.seqs.append(child)
+                    family.append(child)
+            seqs += family
+            rows += [row] * len(family)
+        return seqs, rows
+
+    def _sample(self, seqs, logits):
+        params = [s.params for s in seqs]
+        tensors = SamplingTensors.from_params(params, logits.device)
+        tokens = sample(logits, tensors, [s.generator for s in seqs])
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        logprob_dicts = None
+        if k is not None:
+            chosen, top_ids, top_lps = gather_logprobs(logits, tokens, k)
+            logprob_dicts = logprobs_to_dicts(tokens, chosen, top_ids, top_lps, [p.logprobs or 0 for p in params])
+        deltas = {}
+        now = time.monotonic()
+        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprob_dicts[i])
+                seq.cumulative_logprob += logprob_dicts[i][token]
+            deltas[seq] = self._postprocess(seq, token)
+        return deltas
+
+    def _postprocess(self, seq, token) -> str:
+        """Detokenize the new token and finish the sequence if a stop condition holds."""
+        params, detok = seq.params, seq.detokenizer
+        delta = ""
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"  # a stop token stays in token_ids but never reaches the text
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        else:
+            delta = detok.add_tokens([token])
+            if detok.stopped:
+                seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
+            elif len(seq.output_token_ids) >= (params.max_tokens or self.max_model_len):
+                seq.finish_reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            if not detok.stopped:
+                delta += detok.finish()
+                if detok.stopped:  # a held-back stop string confirmed only at the end
+                    seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
+            self.scheduler.finish(seq)
+        return delta
+
+    def _output(self, request, deltas) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                delta=deltas.get(s, ""),
+            )
+            for s in request.seqs
+        ]
+        finished = request.is_finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             request.prompt_logprobs, outputs, finished)

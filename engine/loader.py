@@ -1,0 +1,105 @@
+"""Build the model on the meta device, then stream the checkpoint's tensors into place one by one.
+
+No second copy of the model is ever made: each tensor is read from the file (lazily,
+by safetensors), copied into its slot of the fused parameter and dropped.
+"""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from eightbit.engine.layers.rotary import cos_sin_cache
+from eightbit.engine.models.llama import PACKED_MODULES, LlamaForCausalLM
+from eightbit.engine.weights import open_checkpoint
+
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    hf_config: object
+    tokenizer: object
+    eos_token_ids: list
+    kv_group_size: int | None  # from an int8 checkpoint's KV scheme, else None
+    quantized: bool
+
+
+def load_model(config) -> LoadedModel:
+    if config.load_format == "dummy":
+        from eightbit.engine.dummy import load_dummy_model
+
+        return load_dummy_model(config)
+    ckpt = open_checkpoint(config.model)
+    hf_config = ckpt.config
+    scheme = _read_quantization(hf_config)
+    quantized = scheme is not None
+    model = build_model(hf_config, quantized, config.torch_dtype, config.device)
+    load_weights(model, ((name, ckpt.get_tensor(name)) for name in ckpt.tensor_names()))
+    if config.quantization == "w8a8" and not quantized:
+        model.quantize_linears_()
+        quantized = True
+    kv_group_size = getattr(scheme, "kv_group_size", None) if scheme is not None else None
+    return LoadedModel(model, hf_config, ckpt.load_tokenizer(), ckpt.eos_token_ids, kv_group_size, quantized)
+
+
+def _read_quantization(hf_config):
+    """The int8 scheme of a quantized checkpoint, None for a float one; unsupported formats raise."""
+    qcfg = getattr(hf_config, "quantization_config", None)
+    if not qcfg:
+        return None
+    from eightbit.quant.checkpoint_format import read_quantization_config
+
+    return read_quantization_config(qcfg)
+
+
+def build_model(hf_config, quantized, dtype, device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, quantized=quantized, dtype=dtype)
+    model.to_empty(device=device)
+    max_positions = hf_config.max_position_embeddings
+    table = cos_sin_cache(hf_config, max_positions).to(device)
+    for attn in model.attention_layers():
+        attn.cos_sin_cache = table
+    return model.eval()
+
+
+def load_weights(model, named_tensors):
+    """Copy (checkpoint name, tensor) pairs into the model; every parameter must be filled exactly once."""
+    modules = dict(model.named_modules())
+    expected = {name for name, _ in model.named_parameters()}
+    loaded = set()
+    for name, tensor in named_tensors:
+        if _IGNORED.search(name) or (name == "lm_head.weight" and model.tie_word_embeddings):
+            continue
+        module_name, _, param_name = name.rpartition(".")
+        parent, _, leaf = module_name.rpartition(".")
+        shard_id = None
+        if leaf in PACKED_MODULES:
+            fused, shard_id = PACKED_MODULES[leaf]
+            module_name = f"{parent}.{fused}"
+        module = modules.get(module_name)
+        if module is None or not hasattr(module, param_name):
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        if hasattr(module, "load"):
+            module.load(param_name, tensor, shard_id)
+        else:
+            _copy(getattr(module, param_name), tensor, name)
+        loaded.add(f"{module_name}.{param_name}" + ("" if shard_id is None else f"#{shard_id}"))
+    missing = [p for p in expected if p not in loaded and not _all_shards_loaded(model, p, loaded)]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+
+
+def _all_shards_loaded(model, param, loaded):
+    module_name, _, param_name = param.rpartition(".")
+    module = model.get_submodule(module_name)
+    shards = getattr(module, "shard_offsets", None)
+    return bool(shards) and all(f"{param}#{s}" in loaded for s in shards)
+
+
+def _copy(param, tensor, name):
+    if tensor.shape != param.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+    param.data.copy_(tensor)

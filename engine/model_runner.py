@@ -1,0 +1,140 @@
+"""Turns a scheduled step into flat varlen tensors, runs the model and returns logits.
+
+One step = one packed batch with no padding: the new tokens of every scheduled
+sequence back to back, their positions, the cache slot of each, the block tables
+and the per-sequence offsets. Logits are computed only where they are needed: the
+last token of every sequence that samples this step, and, for requests that asked
+for prompt log-probs, every prompt position (in chunks, so a long prompt never
+materializes its full float32 logits at once).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eightbit.engine.context import Context, reset_context, set_context
+from eightbit.engine.sampler import gather_logprobs, logprobs_to_dicts
+
+LOGITS_CHUNK = 256  # prompt positions per lm_head call when scoring
+
+
+@dataclass
+class StepResult:
+    sample_seqs: list  # sequences that sample a token this step, in row order of `logits`
+    logits: torch.Tensor | None  # [len(sample_seqs), vocab] float32
+    prompt_logprobs: dict = field(default_factory=dict)  # seq -> [(prompt index, {token: logprob})]
+
+
+class KVCache:
+    """All layers' paged K/V (and int8 group scales), one tensor per kind."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, group_size, device):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        alloc = torch.zeros if device != "cpu" else torch.empty  # untouched CPU pages cost nothing
+        self.k = alloc(shape, dtype=dtype, device=device)
+        self.v = alloc(shape, dtype=dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            scale_shape = shape[:-1] + (head_dim // group_size,)
+            self.k_scale = alloc(scale_shape, dtype=torch.float16, device=device)
+            self.v_scale = alloc(scale_shape, dtype=torch.float16, device=device)
+
+    def layer(self, i):
+        scales = (None, None) if self.k_scale is None else (self.k_scale[i], self.v_scale[i])
+        return self.k[i], self.v[i], *scales
+
+    @torch.no_grad()
+    def copy_blocks(self, copies):
+        """Copy-on-write: duplicate whole blocks (all layers) before a shared block is written."""
+        src = torch.tensor([s for s, _ in copies], device=self.k.device)
+        dst = torch.tensor([d for _, d in copies], device=self.k.device)
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t[:, dst] = t[:, src]
+
+
+def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, group_size=None) -> float:
+    """K and V of one token in every layer, int8 group scales (float16) included."""
+    per_value = 1 + 2 / group_size if dtype == torch.int8 else torch.finfo(dtype).bits / 8
+    return 2 * num_layers * num_kv_heads * head_dim * per_value
+
+
+class ModelRunner:
+    def __init__(self, model, block_manager, device):
+        self.model = model
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.device = torch.device(device)
+        self.kv_cache = None
+
+    def allocate_kv_cache(self, num_blocks, dtype, group_size=None):
+        attn = self.model.attention_layers()
+        a = attn[0]
+        self.kv_cache = KVCache(len(attn), num_blocks, self.block_size, a.num_kv_heads, a.head_dim, dtype,
+                                group_size, self.device)
+        for i, layer in enumerate(attn):
+            layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = self.kv_cache.layer(i)
+
+    @torch.inference_mode()
+    def run(self, scheduled, copies=()) -> StepResult:
+        if copies:
+            self.kv_cache.copy_blocks(copies)
+        input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled)
+        set_context(context)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            reset_context()
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_seqs else None
+        return StepResult(sample_seqs, logits, self._prompt_logprobs(scheduled, hidden))
+
+    def _prepare(self, scheduled):
+        input_ids, positions, slots, cu, seq_lens = [], [], [], [0], []
+        sample_rows, sample_seqs = [], []
+        bs = self.block_size
+        block_tables = [self.block_manager.block_table(seq.seq_id) for seq, _ in scheduled]
+        for (seq, n), table in zip(scheduled, block_tables):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in block_tables)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+        dev = self.device
+        context = Context(
+            is_decode=all(n == 1 for _, n in scheduled),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, context, torch.tensor(sample_rows, device=dev), sample_seqs
+
+    def _prompt_logprobs(self, scheduled, hidden):
+        """Log-probs of each prompt token given the ones before it, for the requests that asked."""
+        result = {}
+        offset = 0
+        for seq, n in scheduled:
+            k = seq.request.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            # hidden row p predicts token p + 1; only prompt tokens 1.. are scored
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if k is not None and seq.index == 0 and start < last:
+                entries = []
+                for c in range(start, last, LOGITS_CHUNK):
+                    ce = min(c + LOGITS_CHUNK, last)
+                    logits = self.model.compute_logits(hidden[offset + c - start : offset + ce - start])
+                    targets = torch.tensor(seq.token_ids[c + 1 : ce + 1], device=logits.device)
+                    chosen, top_ids, top_lps = gather_logprobs(logits, targets, k)
+                    dicts = logprobs_to_dicts(targets, chosen, top_ids, top_lps, [k] * len(targets))
+                    entries += [(c + 1 + i, d) for i, d in enumerate(dicts)]
+                result[seq] = entries
+            offset += n
+        return result

@@ -1,0 +1,28 @@
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # all text released so far (final text once finished)
+    token_ids: list
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None  # per token {token_id: logprob}, when asked for
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: object = None  # the stop string or stop token id, if one ended it
+    delta: str = ""  # text released by the step that produced this output
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list
+    prompt_logprobs: list | None
+    outputs: list = field(default_factory=list)
+    finished: bool = False

@@ -1,0 +1,111 @@
+"""Iteration-level continuous batching under a token budget (vLLM v1's rule).
+
+There is no prefill phase and decode phase: every sequence has tokens whose KV is
+not computed yet (a whole prompt, the rest of a prompt, or the one token sampled
+last step), and each step spends `max_num_batched_tokens` on them, running
+sequences first, then waiting ones in priority order. A prompt longer than what
+is left of the budget is prefilled in chunks across steps. When the KV cache runs
+out of blocks, the lowest-priority (then latest) running sequence is preempted:
+its blocks are freed and it restarts from scratch later (recompute).
+"""
+
+import bisect
+from dataclasses import dataclass, field
+
+from eightbit.engine.sequence import SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list = field(default_factory=list)  # [(Sequence, num_new_tokens)] in batch order
+    copies: list = field(default_factory=list)  # [(src_block, dst_block)] copy-on-write before the step
+    preempted: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config, block_manager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting = []  # sorted by Sequence.sort_key
+        self.running = []  # sorted by Sequence.sort_key
+        self.num_preemptions = 0
+
+    def add(self, seq):
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def add_running(self, seq):
+        """A sequence forked from a running one (parallel sampling) joins the running set."""
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq):
+        """Remove a finished or aborted sequence and free its blocks at once."""
+        seq.status = SequenceStatus.FINISHED
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        self.block_manager.free(seq.seq_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            copies = self._reserve(seq, n, out)
+            if copies is None:  # seq itself was preempted: nothing after it can run either
+                break
+            out.copies += copies
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        if out.preempted:  # memory is short: let the running ones finish before admitting more
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            use_cache = seq.request.prompt_logprobs is None  # scoring needs every prompt position's logits
+            cached = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_prefix_cache=use_cache)
+            if cached is None:
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)  # after every running one: preserves the sort order within this step
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+        self.running.sort(key=lambda s: s.sort_key())
+        return out
+
+    @staticmethod
+    def _insert(queue, seq):
+        bisect.insort(queue, seq, key=lambda s: s.sort_key())
+
+    def _reserve(self, seq, n, out):
+        """Blocks for seq's next n tokens, preempting from the back of the running list as needed."""
+        while True:
+            copies = self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n)
+            if copies is not None:
+                return copies
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return None
+
+    def _preempt(self, seq, out):
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)

@@ -1,0 +1,54 @@
+"""The fused ops the model calls, each dispatched by device.
+
+CUDA tensors go to the Triton kernel of the op (kernels/<op>.py), everything else to
+the plain-torch version in kernels/reference.py. Both have the same signature, so
+the model code never branches on the backend. The Triton modules are imported on
+first CUDA use, so a CPU-only install never imports triton.
+"""
+
+import importlib
+
+from eightbit.kernels import reference
+
+_TRITON_MODULE = {
+    "rms_norm": "rmsnorm_quant",
+    "rmsnorm_quant": "rmsnorm_quant",
+    "silu_mul": "silu_mul_quant",
+    "silu_mul_quant": "silu_mul_quant",
+    "quant_per_token": "quant_per_token",
+    "int8_gemm": "int8_gemm",
+    "rope_kv_write": "kv_write",
+    "kv_write": "kv_write",
+    "prefill_attention": "prefill_attention",
+    "decode_attention": "decode_attention",
+}
+
+
+def _dispatch(name):
+    reference_fn = getattr(reference, name)
+    triton_fn = None
+
+    def op(first, *args, **kwargs):
+        nonlocal triton_fn
+        if not first.is_cuda:
+            return reference_fn(first, *args, **kwargs)
+        if triton_fn is None:
+            module = importlib.import_module(f"eightbit.kernels.{_TRITON_MODULE[name]}")
+            triton_fn = getattr(module, name)
+        return triton_fn(first, *args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = reference_fn.__doc__
+    return op
+
+
+rms_norm = _dispatch("rms_norm")
+rmsnorm_quant = _dispatch("rmsnorm_quant")
+silu_mul = _dispatch("silu_mul")
+silu_mul_quant = _dispatch("silu_mul_quant")
+quant_per_token = _dispatch("quant_per_token")
+int8_gemm = _dispatch("int8_gemm")
+rope_kv_write = _dispatch("rope_kv_write")
+kv_write = _dispatch("kv_write")
+prefill_attention = _dispatch("prefill_attention")
+decode_attention = _dispatch("decode_attention")
