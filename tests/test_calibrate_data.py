@@ -1,0 +1,102 @@
+"""Calibration text: sources, windows, and clear errors for bad data."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from eightbit.calibrate import data
+from eightbit.calibrate.data import CalibrationText, default_calibration_source, load_calibration_text, make_windows
+from eightbit.quant.errors import QuantizeError
+from eightbit.quant.testing import make_tiny_tokenizer, tiny_text
+
+SHARED_VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture
+def wikitext_valid():
+    if not SHARED_VALID.parent.parent.is_dir():  # skip only when the shared folder is absent
+        pytest.skip("../shared/data is not beside this checkout")
+    return SHARED_VALID
+
+
+def test_text_file_is_read_whole(tmp_path):
+    f = tmp_path / "c.txt"
+    text = tiny_text(50)
+    f.write_text(text)
+    ct = load_calibration_text(str(f))
+    assert ct.text == text and ct.source == str(f.resolve()) and len(ct.sha256) == 64
+
+
+@pytest.mark.parametrize("content", ["", "\n\n   \n"])
+def test_empty_calibration_file_is_an_error(tmp_path, content):
+    f = tmp_path / "empty.txt"
+    f.write_text(content)
+    with pytest.raises(QuantizeError, match="empty|no text"):
+        load_calibration_text(str(f))
+
+
+def test_missing_calibration_file_is_an_error(tmp_path):
+    with pytest.raises(QuantizeError, match="does not exist"):
+        load_calibration_text(str(tmp_path / "nope.txt"))
+
+
+def test_datasets_source_from_a_local_folder(tmp_path):
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "validation.txt").write_text("first line\nsecond line\n")
+    ct = load_calibration_text(f"hf:{folder}")
+    assert ct.text == "first line\nsecond line\n"
+    with pytest.raises(QuantizeError, match="cannot load calibration dataset"):
+        load_calibration_text(f"hf:{folder}::test")
+    with pytest.raises(QuantizeError, match="hf:NAME"):
+        load_calibration_text("hf:")
+
+
+def test_windows_are_spread_and_start_with_bos(tokenizer):
+    ct = CalibrationText(tiny_text(300), "mem", "0" * 64)
+    ids = tokenizer(ct.text, add_special_tokens=False)["input_ids"]
+    cs = make_windows(ct, tokenizer, num_samples=5, seq_len=33)
+    assert cs.input_ids.shape == (5, 33) and cs.input_ids.dtype == torch.long
+    assert cs.text_tokens == len(ids)
+    bos = tokenizer.bos_token_id
+    if tokenizer("a")["input_ids"][0] == bos:
+        assert (cs.input_ids[:, 0] == bos).all()
+        body = cs.input_ids[:, 1:]
+    else:
+        body = cs.input_ids
+    assert body[0].tolist() == ids[: body.shape[1]]  # first window at the start
+    assert body[-1].tolist() == ids[len(ids) - body.shape[1]:]  # last window at the end
+    assert cs.summary() == {"source": "mem", "sha256": "0" * 64, "text_tokens": len(ids), "num_samples": 5,
+                            "seq_len": 33, "tokens": 165}
+
+
+def test_short_text_gives_fewer_windows_or_an_error(tokenizer):
+    ct = CalibrationText("just a few words here. " * 5, "mem", "0" * 64)
+    n = len(tokenizer(ct.text, add_special_tokens=False)["input_ids"])
+    cs = make_windows(ct, tokenizer, num_samples=100, seq_len=n // 2)
+    assert 1 <= cs.num_samples <= 2
+    with pytest.raises(QuantizeError, match="fewer than one window"):
+        make_windows(ct, tokenizer, num_samples=1, seq_len=n + 10)
+
+
+def test_default_source_env_var_then_shared_then_error(monkeypatch, tmp_path):
+    monkeypatch.setenv(data.ENV_VAR, str(tmp_path / "x.txt"))
+    assert default_calibration_source() == str(tmp_path / "x.txt")
+    monkeypatch.delenv(data.ENV_VAR)
+    monkeypatch.setattr(data, "WIKITEXT_VALID", Path("no") / "such" / "file.raw")
+    with pytest.raises(QuantizeError, match="--calib-data"):
+        default_calibration_source()
+
+
+def test_default_is_wikitext2_validation_not_test(wikitext_valid, monkeypatch):
+    monkeypatch.delenv(data.ENV_VAR, raising=False)
+    src = default_calibration_source()
+    assert os.path.samefile(src, wikitext_valid)
+    assert "valid" in Path(src).name and "test" not in Path(src).name
