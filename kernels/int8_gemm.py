@@ -53,7 +53,7 @@ def _epilogue(acc, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M=1 gets no kernel of its own (it ran slower, and costs a compile)
 def _int8_gemm_kernel(
     # pointers
     a_ptr, xs_ptr, b_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, lock_ptr,

@@ -14,10 +14,11 @@ possible (2 bytes in + 1 byte out per bf16 element).
 
 `_quantize_row` and `_round_half_even` are shared by the fused producers
 (rmsnorm_quant.py, silu_mul_quant.py) so there is one copy of the rounding.
-Rounding is done with floor() and an explicit tie rule rather than a libdevice
-call, so the same code runs under TRITON_INTERPRET=1 (CPU tests) and on the GPU.
-The kernels are launched with enable_fp_fusion=False so `x * inv` is rounded to
-float32 before it is rounded to an integer, as in torch (no fused multiply-add).
+Rounding adds and subtracts 1.5 * 2^23 (round-to-nearest-even in the FPU) rather
+than calling libdevice, so the same code runs under TRITON_INTERPRET=1 (CPU tests)
+and on the GPU. The kernels are launched with enable_fp_fusion=False so `x * inv`
+is rounded to float32 before it is rounded to an integer, as in torch (no fused
+multiply-add).
 """
 
 import torch
@@ -32,23 +33,30 @@ MAX_ROW = 65536  # the largest row one program holds in registers
 
 @triton.jit
 def _round_half_even(y):
-    """Round float32 y to the nearest integer, ties to even (torch.round). Exact for |y| < 2^23."""
-    r = tl.floor(y)
-    d = y - r
-    r_odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    up = (d > 0.5) | ((d == 0.5) & r_odd)
-    return tl.where(up, r + 1.0, r)
+    """Round float32 y to the nearest integer, ties to even (torch.round), for |y| < 2^22.
+
+    Adding and subtracting 1.5 * 2^23 leaves no fraction bits, so the add rounds
+    to an integer in the FPU's round-to-nearest-even mode. Two instructions; needs
+    the kernel built with enable_fp_fusion=False (and no fast-math, Triton's default)."""
+    return (y + 12582912.0) - 12582912.0
 
 
 @triton.jit
-def _quantize_row(y, mask):
-    """y: float32 [BLOCK] (masked lanes ignored) -> (int8 q [BLOCK], float32 scale)."""
+def _quantize_row(y, mask, CUDA_SCALE: tl.constexpr):
+    """y: float32 [BLOCK] (masked lanes ignored) -> (int8 q [BLOCK], float32 scale).
+
+    torch evaluates `127 / absmax` (Python scalar over tensor) as reciprocal(absmax) * 127
+    on every device, and `absmax / 127` as a true division on the CPU but as
+    absmax * float32(1/127) on CUDA; CUDA_SCALE picks the CUDA form so that both
+    backends reproduce quant/int8.py bit for bit on their own device."""
     absmax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
     nonzero = absmax > 0.0
     safe = tl.where(nonzero, absmax, 1.0)
-    # torch evaluates 127 / absmax (a Python scalar over a tensor) as reciprocal(absmax) * 127
     inv = tl.where(nonzero, tl.math.div_rn(1.0, safe) * 127.0, 0.0)
-    scale = tl.math.div_rn(absmax, 127.0)
+    if CUDA_SCALE:
+        scale = absmax * 0.007874015718698502  # float32(1 / 127)
+    else:
+        scale = tl.math.div_rn(absmax, 127.0)
     q = _round_half_even(y * inv)
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     return q.to(tl.int8), scale
@@ -66,13 +74,14 @@ def _quant_per_token_kernel(
     # strides (rows; the last dimension is contiguous)
     stride_xm, stride_qm,
     # meta-parameters
+    CUDA_SCALE: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_row(x, mask)
+    q, scale = _quantize_row(x, mask, CUDA_SCALE)
     tl.store(q_ptr + row * stride_qm + offs, q, mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -117,7 +126,7 @@ def quant_per_token(x):
             x2, q, scale,
             k,
             x2.stride(0), q.stride(0),
-            BLOCK_K=block, num_warps=num_warps, enable_fp_fusion=False,
+            CUDA_SCALE=x.is_cuda, BLOCK_K=block, num_warps=num_warps, enable_fp_fusion=False,
         )
     elif m > 0:
         scale.zero_()

@@ -35,6 +35,7 @@ def _rmsnorm_kernel(
     # meta-parameters
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
+    CUDA_SCALE: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -51,7 +52,7 @@ def _rmsnorm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd * w).to(x_ptr.dtype.element_ty)
     if QUANT:
-        q, scale = _quantize_row(y.to(tl.float32), mask)
+        q, scale = _quantize_row(y.to(tl.float32), mask, CUDA_SCALE)
         tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
         tl.store(scale_ptr + row, scale)
     else:
@@ -89,7 +90,7 @@ def _launch(x, weight, eps, residual, quant):
             h, float(eps),
             x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
             res_out.stride(0) if res_out is not None else 0, q.stride(0),
-            HAS_RESIDUAL=residual is not None, QUANT=quant, BLOCK_H=block,
+            HAS_RESIDUAL=residual is not None, QUANT=quant, CUDA_SCALE=x.is_cuda, BLOCK_H=block,
             num_warps=num_warps, enable_fp_fusion=False,
         )
     elif quant:

@@ -31,6 +31,7 @@ def _silu_mul_kernel(
     stride_gu, stride_out, stride_q,
     # meta-parameters
     QUANT: tl.constexpr,
+    CUDA_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -39,10 +40,12 @@ def _silu_mul_kernel(
     base = gu_ptr + row * stride_gu
     g = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + I + offs, mask=mask, other=0.0).to(tl.float32)
-    h = tl.math.div_rn(g, 1.0 + tl.exp(-g)) * u
+    # the fast (approximate) division: h is rounded to gate_up.dtype next, and an IEEE
+    # division here made the kernel instruction-bound (1.6 TB/s on an H200)
+    h = g / (1.0 + tl.exp(-g)) * u
     h = h.to(gu_ptr.dtype.element_ty)
     if QUANT:
-        q, scale = _quantize_row(h.to(tl.float32), mask)
+        q, scale = _quantize_row(h.to(tl.float32), mask, CUDA_SCALE)
         tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
         tl.store(scale_ptr + row, scale)
     else:
@@ -69,7 +72,7 @@ def _launch(gate_up, quant):
             gu, out, q, scale,
             i,
             gu.stride(0), out.stride(0), q.stride(0),
-            QUANT=quant, BLOCK_I=block, num_warps=num_warps, enable_fp_fusion=False,
+            QUANT=quant, CUDA_SCALE=gate_up.is_cuda, BLOCK_I=block, num_warps=num_warps, enable_fp_fusion=False,
         )
     elif quant:
         scale.zero_()

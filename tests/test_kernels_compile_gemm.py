@@ -77,12 +77,12 @@ def _compile_row(job):
         sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
                "q_ptr": "*i8", "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "stride_x": "i32",
                "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32", "stride_q": "i32"}
-        consts = {"HAS_RESIDUAL": True, "QUANT": quant, "BLOCK_H": block}
+        consts = {"HAS_RESIDUAL": True, "QUANT": quant, "CUDA_SCALE": True, "BLOCK_H": block}
     else:
         fn = _silu_mul_kernel
         sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "I": "i32",
                "stride_gu": "i32", "stride_out": "i32", "stride_q": "i32"}
-        consts = {"QUANT": quant, "BLOCK_I": block}
+        consts = {"QUANT": quant, "CUDA_SCALE": True, "BLOCK_I": block}
     for name in consts:
         sig[name] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
