@@ -259,29 +259,30 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
 
 # --- sweep ---------------------------------------------------------------------------------
 
+# Candidates of the last sweep (earlier sweeps, same card: docs/benchmarks/attention.md).
 PREFILL_CANDIDATES = {
-    128: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
-          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)],
-    64: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)],
+    (128, "bf16"): [dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
+    (128, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
+    (64, "bf16"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
+    (64, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
 }
-DECODE_CANDIDATES = [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=128, num_warps=4, num_stages=3),
-                     dict(BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4),
-                     dict(BLOCK_N=64, num_warps=4, num_stages=5), dict(BLOCK_N=128, num_warps=4, num_stages=2)]
+DECODE_CANDIDATES = [dict(BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=2),
+                     dict(BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_N=128, num_warps=4, num_stages=2),
+                     dict(BLOCK_N=32, num_warps=4, num_stages=2)]
 DECODE_SWEEP_SHAPES = [(32, 8192), (1, 32768), (256, 2048)]
 
 
 def sweep(results, save):
     from eightbit.kernels import attention_configs as C
 
-    jobs = [("prefill", d, kind, c) for d, cs in PREFILL_CANDIDATES.items() for kind in ("bf16", "int8") for c in cs]
+    jobs = [("prefill", d, kind, c) for (d, kind), cs in PREFILL_CANDIDATES.items() for c in cs]
     jobs += [("decode", 128, kind, c) for kind in ("bf16", "int8") for c in DECODE_CANDIDATES]
     jobs = [(w, d, "float" if k == "bf16" else k, c) for w, d, k, c in jobs]
     precompile(jobs)
     chosen = {}
-    for d, cands in PREFILL_CANDIDATES.items():
-        for kind in ("bf16", "int8"):
+    for (d, kind), cands in PREFILL_CANDIDATES.items():
+        if True:
             key = (d, "float" if kind == "bf16" else kind)
             best = None
             for c in cands:

@@ -16,15 +16,15 @@ GPU (see docs/benchmarks/attention.md for the card and the date) and the best we
 PREFILL = {
     (64, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     (64, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    (128, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    (128, "float"): dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+    (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
 }
 
 DECODE = {
-    (64, "float"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
-    (64, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
-    (128, "float"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
-    (128, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    (64, "float"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
+    (64, "int8"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
+    (128, "float"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
+    (128, "int8"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
 }
 
 # FlashDecoding split heuristic (decode): aim for about this many programs per multiprocessor,
