@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import REDUCE, decode_config, decode_num_splits
-from .prefill_attention import LOG2E, _load_kv_tile, check_attention_inputs
+from .prefill_attention import LOG2E, _load_kv_tile, check_attention_inputs, i8_via_bf16
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -47,7 +47,7 @@ def _decode_kernel(
     # sizes and modes
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, QUANT: tl.constexpr,
+    SPLIT: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -78,9 +78,9 @@ def _decode_kernel(
         slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
         scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
         k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_range,
-                          HEAD_DIM, GROUP, QUANT, True, q.dtype)
+                          HEAD_DIM, GROUP, QUANT, True, q.dtype, I8_VIA_BF16)
         v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_range,
-                          HEAD_DIM, GROUP, QUANT, True, q.dtype)
+                          HEAD_DIM, GROUP, QUANT, True, q.dtype, I8_VIA_BF16)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         qk = tl.where(in_range[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -178,7 +178,7 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables.stride(0),
         QPK=qpk, QPK_PAD=max(16, triton.next_power_of_2(qpk)), HQ=hq, HEAD_DIM=d, GROUP=group,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, **cfg,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, I8_VIA_BF16=i8_via_bf16(), **cfg,
     )
     if splits > 1:
         _decode_reduce_kernel[(bsz, hq)](

@@ -25,6 +25,8 @@ head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_l
 int32/int64 on the same device; caches as in reference.py (head_dim contiguous).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,7 @@ LOG2E = 1.4426950408889634
 def _load_kv_tile(
     cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr,
 ):
     """[BLOCK_N, HEAD_DIM] keys or values at the given slot offsets, dequantized to OUT_DTYPE."""
     ptrs = cache_ptr + slot_off[:, None] + cols[None, :]
@@ -56,8 +58,14 @@ def _load_kv_tile(
         else:
             s = tl.load(sptrs)
         # int8 -> bf16 is exact (|x| <= 128) and Triton lowers it with byte permutes, far cheaper
-        # than the int -> float conversion unit; bf16 -> f32 is a shift. One rounding: to OUT_DTYPE.
-        xf = tl.reshape(x.to(tl.bfloat16).to(tl.float32), (BN, NG, GROUP)) * s.to(tl.float32)[:, :, None]
+        # than the int -> float conversion unit (and its register spills); bf16 -> f32 is a shift.
+        # Either way one rounding only: the product to OUT_DTYPE. (The CPU interpreter gets bf16
+        # wrong, so it takes the plain int -> f32 path.)
+        if I8_VIA_BF16:
+            xf = x.to(tl.bfloat16).to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
+        xf = tl.reshape(xf, (BN, NG, GROUP)) * s.to(tl.float32)[:, :, None]
         return tl.reshape(xf, (BN, HEAD_DIM)).to(OUT_DTYPE)
     else:
         return x.to(OUT_DTYPE)
@@ -69,7 +77,7 @@ def _attend_tile(
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr,
     stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    QUANT: tl.constexpr, MASKED: tl.constexpr,
+    QUANT: tl.constexpr, MASKED: tl.constexpr, I8_VIA_BF16: tl.constexpr,
 ):
     """One online-softmax step over keys n_start .. n_start + BLOCK_N."""
     n = n_start + offs_n
@@ -82,7 +90,7 @@ def _attend_tile(
     slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
     scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
     k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_seq,
-                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype)
+                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, I8_VIA_BF16)
     qk = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         keep = (n[None, :] <= q_pos[:, None]) & in_seq[None, :]
@@ -92,7 +100,7 @@ def _attend_tile(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_seq,
-                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype)
+                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, I8_VIA_BF16)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(q.dtype), v, acc)
     return acc, m_new, l_i
@@ -110,7 +118,7 @@ def _prefill_kernel(
     stride_cb, stride_cp, stride_ch, stride_sb, stride_sp, stride_sh, stride_bt,
     # sizes and modes
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr,
 ):
     h = tl.program_id(0)
     tile = tl.program_id(1)
@@ -147,17 +155,22 @@ def _prefill_kernel(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
             stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
-            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False)
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False, I8_VIA_BF16)
     for n_start in range(full_end, last_pos, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
             stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
-            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True)
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True, I8_VIA_BF16)
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + cols[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def i8_via_bf16():
+    """Compiled kernels convert int8 through bf16 (cheap); the CPU interpreter cannot."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 
 def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name):
@@ -248,6 +261,6 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables.stride(0),
         QPK=hq // hkv, HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, **cfg,
+        BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, I8_VIA_BF16=i8_via_bf16(), **cfg,
     )
     return out

@@ -53,7 +53,8 @@ SCRIPT = textwrap.dedent(
             ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache_ptrs(kind), "block_tables_ptr": "*i32",
                     "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32"}
             consts = dict(QPK=4, HEAD_DIM=d, GROUP=32 if kind == "int8" else d, PAGE_SIZE=16,
-                          BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), QUANT=kind == "int8")
+                          BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), QUANT=kind == "int8",
+                          I8_VIA_BF16=True)
             build(f"prefill d{d} {kind}", _prefill_kernel, ptrs, {"qk_scale": "fp32"}, consts, cfg)
     elif which == "decode":
         for (d, kind), cfg in sorted(C.DECODE.items()):
@@ -62,7 +63,7 @@ SCRIPT = textwrap.dedent(
                 ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                         **cache_ptrs(kind), "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
                 consts = dict(QPK=4, QPK_PAD=16, HQ=32, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
-                              PAGE_SIZE=16, BLOCK_N=c.pop("BLOCK_N"), SPLIT=splits > 1, QUANT=kind == "int8")
+                              PAGE_SIZE=16, BLOCK_N=c.pop("BLOCK_N"), SPLIT=splits > 1, QUANT=kind == "int8", I8_VIA_BF16=True)
                 build(f"decode d{d} {kind} splits{splits}", _decode_kernel, ptrs, {"qk_scale": "fp32"}, consts, c)
             build(f"reduce d{d}", _decode_reduce_kernel,
                   {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}, {},
