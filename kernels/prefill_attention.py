@@ -37,12 +37,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(
+def _load_kv_raw(
     cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr,
 ):
-    """[BLOCK_N, HEAD_DIM] keys or values at the given slot offsets, dequantized to OUT_DTYPE."""
+    """The stored [BLOCK_N, HEAD_DIM] tile at the given slot offsets and its [BLOCK_N, D/G] scales
+    (int8 cache; for a float cache the tile is returned twice)."""
     ptrs = cache_ptr + slot_off[:, None] + cols[None, :]
     if MASKED:
         x = tl.load(ptrs, mask=row_mask[:, None], other=0)
@@ -50,13 +50,23 @@ def _load_kv_tile(
         x = tl.load(ptrs)
     if QUANT:
         NG: tl.constexpr = HEAD_DIM // GROUP
-        BN: tl.constexpr = x.shape[0]
         gcols = tl.arange(0, NG)
         sptrs = scale_ptr + scale_off[:, None] + gcols[None, :]
         if MASKED:
             s = tl.load(sptrs, mask=row_mask[:, None], other=0.0)
         else:
             s = tl.load(sptrs)
+        return x, s
+    else:
+        return x, x
+
+
+@triton.jit
+def _dequant_tile(x, s, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr):
+    if QUANT:
+        NG: tl.constexpr = HEAD_DIM // GROUP
+        BN: tl.constexpr = x.shape[0]
         # int8 -> bf16 is exact (|x| <= 128) and Triton lowers it with byte permutes, far cheaper
         # than the int -> float conversion unit (and its register spills); bf16 -> f32 is a shift.
         # Either way one rounding only: the product to OUT_DTYPE. (The CPU interpreter gets bf16
@@ -69,6 +79,17 @@ def _load_kv_tile(
         return tl.reshape(xf, (BN, HEAD_DIM)).to(OUT_DTYPE)
     else:
         return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr,
+):
+    """[BLOCK_N, HEAD_DIM] keys or values at the given slot offsets, dequantized to OUT_DTYPE."""
+    x, s = _load_kv_raw(cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask, HEAD_DIM, GROUP, QUANT, MASKED)
+    return _dequant_tile(x, s, HEAD_DIM, GROUP, QUANT, OUT_DTYPE, I8_VIA_BF16)
 
 
 @triton.jit
