@@ -71,7 +71,9 @@ class DecoderLayers:
                 raise QuantizeError(f"the checkpoint has no tensor {full!r}") from e
             if tuple(t.shape) != tuple(p.shape):
                 raise QuantizeError(f"tensor {full!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
-            t = t.float()
+            # a copy: checkpoint tensors may be copy-on-write views of an mmapped file, and
+            # folding in place would leave dirty private pages mapped until the file is closed
+            t = t.to(torch.float32, copy=True)
             if not torch.isfinite(t).all():
                 raise QuantizeError(f"tensor {full!r} holds NaN or inf values")
             state[name] = t
