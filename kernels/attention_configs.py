@@ -21,10 +21,10 @@ PREFILL = {
 }
 
 DECODE = {
-    (64, "float"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
-    (64, "int8"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
-    (128, "float"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
-    (128, "int8"): dict(BLOCK_N=64, num_warps=8, num_stages=2),
+    (64, "float"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+    (64, "int8"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+    (128, "float"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+    (128, "int8"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
 }
 
 # FlashDecoding split heuristic (decode): aim for about this many programs per multiprocessor,

@@ -31,23 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import REDUCE, decode_config, decode_num_splits
-from .prefill_attention import LOG2E, _dequant_tile, _load_kv_raw, check_attention_inputs, i8_via_bf16
-
-
-@triton.jit
-def _load_kv_step(n_start, end, offs_n, bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                  stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
-                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANT: tl.constexpr):
-    """Raw K and V tiles (+ scales) of keys n_start .. n_start + BLOCK_N (masked at end)."""
-    n = n_start + offs_n
-    in_range = n < end
-    blk = tl.load(bt_row + n // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
-    page_off = n % PAGE_SIZE
-    slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
-    scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
-    kx, ksc = _load_kv_raw(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_range, HEAD_DIM, GROUP, QUANT, True)
-    vx, vsc = _load_kv_raw(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_range, HEAD_DIM, GROUP, QUANT, True)
-    return kx, ksc, vx, vsc
+from .prefill_attention import LOG2E, _load_kv_tile, check_attention_inputs, i8_via_bf16
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -86,19 +70,17 @@ def _decode_kernel(
     m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QPK_PAD], tl.float32)
     acc = tl.zeros([QPK_PAD, HEAD_DIM], tl.float32)
-    # Software pipelining by hand: the raw tiles (and scales) of step i + 1 are loaded before
-    # step i is dequantized and multiplied, so each program keeps two tiles of loads in flight
-    # (Triton's own pipeliner does not take these gathered loads).
-    kx, ksc, vx, vsc = _load_kv_step(start, end, offs_n, bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                     stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
-                                     HEAD_DIM, GROUP, PAGE_SIZE, QUANT)
     for n_start in range(start, end, BLOCK_N):
-        in_range = (n_start + offs_n) < end
-        kx2, ksc2, vx2, vsc2 = _load_kv_step(n_start + BLOCK_N, end, offs_n, bt_row, k_cache_ptr, v_cache_ptr,
-                                             k_scale_ptr, v_scale_ptr, stride_cb, stride_cp, kv_head_off,
-                                             stride_sb, stride_sp, scale_head_off, cols,
-                                             HEAD_DIM, GROUP, PAGE_SIZE, QUANT)
-        k = _dequant_tile(kx, ksc, HEAD_DIM, GROUP, QUANT, q.dtype, I8_VIA_BF16)
+        n = n_start + offs_n
+        in_range = n < end
+        blk = tl.load(bt_row + n // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+        page_off = n % PAGE_SIZE
+        slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
+        scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_range,
+                          HEAD_DIM, GROUP, QUANT, True, q.dtype, I8_VIA_BF16)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_range,
+                          HEAD_DIM, GROUP, QUANT, True, q.dtype, I8_VIA_BF16)
         qk = tl.dot(q, tl.trans(k)) * qk_scale
         qk = tl.where(in_range[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -106,10 +88,8 @@ def _decode_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _dequant_tile(vx, vsc, HEAD_DIM, GROUP, QUANT, q.dtype, I8_VIA_BF16)
         acc = tl.dot(p.to(q.dtype), v, acc)
         m_i = m_new
-        kx, ksc, vx, vsc = kx2, ksc2, vx2, vsc2
 
     if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padded batch slot) -> zeros
