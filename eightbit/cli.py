@@ -59,6 +59,9 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="eightbit", description="int8 LLM inference: generate, quantize, eval")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    from eightbit.quant.cli import add_quantize_parser
+
+    add_quantize_parser(sub)
     return parser
 
 

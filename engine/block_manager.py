@@ -75,15 +75,17 @@ class BlockManager:
     def block_table(self, seq_id) -> list[int]:
         return list(self._tables[seq_id])
 
-    def allocate(self, seq_id, token_ids: list[int]) -> int | None:
+    def allocate(self, seq_id, token_ids: list[int], use_prefix_cache: bool = True) -> int | None:
         """Give a new (or preempted-and-restarting) sequence blocks for all of token_ids.
 
         Returns how many leading tokens already have KV in the cache (a multiple of block_size, always less than
-        len(token_ids)), or None, changing nothing, when there are not enough free blocks.
+        len(token_ids)), or None, changing nothing, when there are not enough free blocks. use_prefix_cache=False
+        skips the lookup (a request scoring its prompt needs every position computed); its blocks are still
+        registered once computed.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it first")
-        hits, hashes = self._find_cached(token_ids)
+        hits, hashes = self._find_cached(token_ids) if use_prefix_cache else ([], [])
         num_new = self._blocks_for(len(token_ids)) - len(hits)
         num_revived = sum(1 for b in hits if self._ref[b] == 0)  # hits that sit in the free queue
         if num_new + num_revived > len(self._free):

@@ -19,8 +19,8 @@ from eightbit.engine.sampler import SamplingTensors, gather_logprobs, logprobs_t
 from eightbit.engine.sampling_params import SamplingParams
 from eightbit.engine.scheduler import Scheduler
 from eightbit.engine.sequence import Request, Sequence
+from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme
 
-DEFAULT_KV_GROUP_SIZE = 32
 CPU_KV_CACHE_GB = 1.0
 
 
@@ -55,9 +55,7 @@ class LLMEngine:
         if self.config.kv_cache_dtype != "int8":
             return self.config.torch_dtype, None
         group = self.config.kv_group_size or checkpoint_group_size or DEFAULT_KV_GROUP_SIZE
-        head_dim = self.model.attention_layers()[0].head_dim
-        if head_dim % group:
-            raise ValueError(f"kv_group_size={group} does not divide head_dim={head_dim}")
+        KVCacheScheme(group_size=group).check_head_dim(self.model.attention_layers()[0].head_dim)
         return torch.int8, group
 
     @property

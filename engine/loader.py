@@ -40,7 +40,7 @@ def load_model(config) -> LoadedModel:
     if config.quantization == "w8a8" and not quantized:
         model.quantize_linears_()
         quantized = True
-    kv_group_size = getattr(scheme, "kv_group_size", None) if scheme is not None else None
+    kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
     return LoadedModel(model, hf_config, ckpt.load_tokenizer(), ckpt.eos_token_ids, kv_group_size, quantized)
 
 

@@ -7,6 +7,7 @@ holding a second copy of the model. Nothing is ever unpickled: `.bin`/`.pt`
 checkpoints are refused.
 """
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -160,10 +161,14 @@ def _lazy_getter(name_to_file: dict):
     return get
 
 
+@functools.lru_cache(maxsize=1)
 def _open_gguf(path: Path) -> Checkpoint:
     """GGUF through transformers' reader: every weight comes back dequantized to float32.
 
-    The models eightbit ships as GGUF are small, so their state dict is held in memory.
+    The models eightbit ships as GGUF are small, so their state dict is held in memory,
+    and the last one opened is kept: parsing takes ~20 s on 2 cores, and a process
+    that builds several engines (tests, evals comparing configurations) pays it once.
+    Callers must not modify the tensors it hands out.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 

@@ -464,3 +464,16 @@ BlockManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_block_manager_stateful = BlockManagerMachine.TestCase
+
+
+def test_allocate_without_prefix_lookup_computes_everything_but_still_registers():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    assert bm.allocate("a", tokens) == 0
+    bm.mark_computed("a", tokens, 10)
+    assert bm.allocate("b", tokens, use_prefix_cache=False) == 0
+    assert set(bm.block_table("a")).isdisjoint(bm.block_table("b"))
+    bm.mark_computed("b", tokens, 10)
+    bm.free("a")
+    bm.free("b")
+    assert bm.allocate("c", tokens) == 8  # both copies were registered; either serves the hit
