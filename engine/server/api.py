@@ -1,0 +1,596 @@
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+A handler validates the body, maps it to `SamplingParams`, tokenizes (chat template included) on a
+small thread pool, checks the context length and the queue bound, then submits token ids to the
+engine loop (async_engine.py) and reads the outputs from its own asyncio.Queue. A client that goes
+away — mid-stream or while waiting for a non-streamed answer — has its requests aborted, which
+frees their KV blocks at the loop's next iteration.
+"""
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eightbit.engine.sampling_params import SamplingParams
+from eightbit.engine.server import protocol as P
+from eightbit.engine.server.async_engine import AsyncEngine, Sink
+from eightbit.engine.server.metrics import Metrics
+from eightbit.engine.server.protocol import APIError
+
+log = logging.getLogger("eightbit.server")
+
+MAX_LOGPROBS = 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class TokenizerPool:
+    """Tokenization and chat templates off the event loop and off the engine thread.
+
+    Each worker thread (and the event-loop thread, for logprob token strings) uses its own copy
+    of the tokenizer: HF fast tokenizers are not safe to share across threads.
+    """
+
+    def __init__(self, tokenizer, workers: int = 2):
+        self._base = tokenizer
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="eightbit-tokenizer")
+        self._token_text = {}
+        barrier = threading.Barrier(workers)  # start every worker now and copy its tokenizer up front
+        for f in [self._pool.submit(self._warm, barrier) for _ in range(workers)]:
+            f.result()
+
+    def _warm(self, barrier):
+        self.get()
+        barrier.wait(timeout=60)
+
+    def get(self):
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            try:
+                tok = copy.deepcopy(self._base)
+            except Exception:  # an uncopyable tokenizer: share it (slow tokenizers are pure Python)
+                tok = self._base
+            self._local.tok = tok
+        return tok
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def encode(self, text: str) -> list[int]:
+        return self.get()(text).input_ids  # exactly what LLMEngine.add_request does with a str
+
+    def chat_prompt(self, messages, add_generation_prompt, kwargs) -> list[int]:
+        text = self.get().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                              tokenize=False, **(kwargs or {}))
+        return self.encode(text)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.get().decode([token_id])
+        return text
+
+    def shutdown(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ServerState:
+    def __init__(self, async_engine: AsyncEngine, model_name: str, max_queue: int | None, tokenizer_workers: int):
+        engine = async_engine.engine
+        self.engine = async_engine
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.hf_config.vocab_size
+        self.max_queue = max_queue
+        self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_workers)
+        self.metrics = Metrics(model_name)
+        self.num_queued = 0  # submitted engine requests that have not produced a token yet
+        self.created = P.now()
+
+
+# --- one HTTP request's engine requests ---------------------------------------------------------
+
+
+class Disconnected(Exception):
+    pass
+
+
+_DISCONNECT = object()
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt, each with n choices)."""
+
+    def __init__(self, state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
+                 raw_request: Request, arrival: float):
+        self.state = state
+        self.prompts = prompts
+        self.params = params
+        self.ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        self.raw_request = raw_request
+        self.arrival = arrival
+        self.queue = asyncio.Queue()
+        self.unfinished = set(self.ids)
+        self.queued = set(self.ids)  # counted in state.num_queued until their first token
+        self.first_token_time = {}
+        self.closed = False
+        self.watcher = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def start(self):
+        state = self.state
+        if state.max_queue is not None and state.num_queued + len(self.ids) > state.max_queue:
+            raise APIError(f"the server is overloaded: {state.num_queued} requests are waiting "
+                           f"(--max-queue {state.max_queue}); retry later",
+                           status=503, type="server_overloaded", code="overloaded", headers={"Retry-After": "1"})
+        state.num_queued += len(self.ids)
+        sink = Sink(asyncio.get_running_loop(), self.queue)
+        for rid, prompt in zip(self.ids, self.prompts):
+            state.engine.submit(rid, prompt, self.params, sink)
+        self.watcher = asyncio.create_task(self._watch_disconnect())
+
+    async def _watch_disconnect(self):
+        try:
+            while True:
+                message = await self.raw_request.receive()
+                if message["type"] == "http.disconnect":
+                    break
+        except Exception:
+            pass
+        if not self.closed:
+            self.close(from_watcher=True)
+            self.queue.put_nowait((None, _DISCONNECT))
+
+    def _dequeue(self, rid):
+        if rid in self.queued:
+            self.queued.discard(rid)
+            self.state.num_queued -= 1
+
+    def close(self, from_watcher=False):
+        """Abort what is still running (its KV blocks go back to the pool) and stop watching."""
+        if self.closed:
+            return
+        self.closed = True
+        for rid in self.unfinished:
+            self.state.engine.abort(rid)
+        for rid in list(self.queued):
+            self._dequeue(rid)
+        if self.watcher is not None and not from_watcher:
+            self.watcher.cancel()
+
+    async def results(self):
+        """Yield (prompt index, RequestOutput) as the engine produces them, until all finish."""
+        try:
+            while self.unfinished:
+                rid, item = await self.queue.get()
+                if item is _DISCONNECT:
+                    raise Disconnected()
+                if isinstance(item, Exception):
+                    self.unfinished.discard(rid)
+                    if isinstance(item, ValueError):
+                        raise APIError(str(item))
+                    raise APIError(str(item), status=500, type="internal_error")
+                self._account(rid, item)
+                yield self.index[rid], item
+        finally:
+            self.close()
+
+    def _account(self, rid, out):
+        t = time.monotonic()
+        if rid not in self.first_token_time and any(c.token_ids for c in out.outputs):
+            self.first_token_time[rid] = t
+            self._dequeue(rid)
+        if out.finished:
+            self.unfinished.discard(rid)
+            self._dequeue(rid)
+            first = self.first_token_time.get(rid)
+            num = max((len(c.token_ids) for c in out.outputs), default=0)
+            tpot = (t - first) / (num - 1) if first is not None and num > 1 else None
+            self.state.metrics.observe_request(
+                None if first is None else first - self.arrival, tpot, t - self.arrival,
+                len(self.prompts[self.index[rid]]), [c.finish_reason for c in out.outputs])
+
+
+# --- mapping requests ---------------------------------------------------------------------------
+
+
+def _check_model(state: ServerState, model: str | None):
+    if model is not None and model != state.model_name:
+        raise APIError(f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                       status=404, param="model", code="model_not_found")
+
+
+def _reject_unless(condition: bool, param: str, message: str):
+    if not condition:
+        raise APIError(message, param=param, code="unsupported_parameter")
+
+
+def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        _reject_unless(value in (None, 0), name, f"{name} is not implemented: only 0 is accepted, got {value}")
+    _reject_unless(req.repetition_penalty in (None, 1), "repetition_penalty",
+                   f"repetition_penalty is not implemented: only 1 is accepted, got {req.repetition_penalty}")
+    _reject_unless(not req.logit_bias, "logit_bias", "logit_bias is not implemented")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:  # SamplingParams' messages start with the field name
+        raise APIError(str(e), param=str(e).split()[0]) from None
+
+
+def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None):
+    for ids in prompts:
+        if not ids:
+            raise APIError("the prompt is empty", param="prompt")
+        if len(ids) >= state.max_model_len:
+            raise APIError(f"this model's maximum context length is {state.max_model_len} tokens, but the prompt "
+                           f"has {len(ids)} tokens (no room left to generate)", param="prompt",
+                           code="context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > state.max_model_len:
+            raise APIError(f"this model's maximum context length is {state.max_model_len} tokens, but "
+                           f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, {max_tokens} "
+                           f"max_tokens)", param="max_tokens", code="context_length_exceeded")
+
+
+async def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise APIError("prompt is empty", param="prompt")
+            out.append(await state.tokenizers.run(state.tokenizers.encode, p))
+        else:
+            bad = [t for t in p if not 0 <= t < state.vocab_size]
+            if bad:
+                raise APIError(f"prompt token ids outside the vocabulary [0, {state.vocab_size}): {bad[:5]}",
+                               param="prompt")
+            out.append(list(p))
+    return out
+
+
+def _chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
+    if not req.messages:
+        raise APIError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                                   param=f"messages.{i}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        message = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+# --- building responses -------------------------------------------------------------------------
+
+
+def _top(entry: dict, k: int) -> list:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def _completion_logprobs(state, token_ids, logprobs, k, offset) -> P.CompletionLogprobs:
+    out = P.CompletionLogprobs()
+    text = state.tokenizers.token_text
+    for tid, entry in zip(token_ids, logprobs):
+        s = text(tid)
+        out.tokens.append(s)
+        out.token_logprobs.append(entry[tid])
+        out.top_logprobs.append({text(t): lp for t, lp in _top(entry, k)})
+        out.text_offset.append(offset)
+        offset += len(s)
+    return out
+
+
+def _chat_logprobs(state, token_ids, logprobs, k) -> P.ChatLogprobs:
+    text = state.tokenizers.token_text
+
+    def item(cls, tid, lp, **extra):
+        s = text(tid)
+        return cls(token=s, logprob=lp, bytes=list(s.encode("utf-8")), **extra)
+
+    content = [
+        item(P.TokenLogprob, tid, entry[tid], top_logprobs=[item(P.TopLogprob, t, lp) for t, lp in _top(entry, k)])
+        for tid, entry in zip(token_ids, logprobs)
+    ]
+    return P.ChatLogprobs(content=content)
+
+
+def _usage(gen: Generation, completion_tokens: int) -> P.Usage:
+    return P.Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=gen.prompt_tokens + completion_tokens)
+
+
+def _sse(model: P.BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _sse_error(e: APIError) -> str:
+    return f"data: {json.dumps(e.body())}\n\n"
+
+
+def _stop_reason(c):
+    return c.stop_reason if isinstance(c.stop_reason, (int, str)) else None
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None = None,
+              tokenizer_workers: int = 2) -> FastAPI:
+    """The ASGI app around a started (or to-be-started) AsyncEngine."""
+    state = ServerState(async_engine, model_name, max_queue, tokenizer_workers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        state.tokenizers.shutdown()
+
+    app = FastAPI(title="eightbit", version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(_CountResponses, metrics=state.metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            param = None
+        else:
+            param = ".".join(loc) or None
+            message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+            if len(errors) > 1:
+                message += f" (and {len(errors) - 1} more errors)"
+        return JSONResponse(APIError(message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=type_).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(APIError(f"internal error: {e!r}", status=500, type="internal_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.alive:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(async_engine.stats),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        card = P.ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
+        return P.ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(req: P.CompletionRequest, raw_request: Request):
+        arrival = time.monotonic()
+        _check_model(state, req.model)
+        _reject_unless(not req.echo, "echo", "echo is not supported")
+        _reject_unless(req.suffix is None, "suffix", "suffix is not supported")
+        _reject_unless(req.best_of in (None, req.n), "best_of", "best_of other than n is not supported")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        params = _sampling_params(req, req.max_tokens, req.logprobs)
+        prompts = await _completion_prompts(state, req.prompt)
+        _check_length(state, prompts, req.max_tokens)
+        request_id = P.random_id("cmpl")
+        gen = Generation(state, request_id, prompts, params, raw_request, arrival)
+        gen.start()
+        created, n = P.now(), params.n
+        if req.stream:
+            return StreamingResponse(_stream_completion(state, gen, req, request_id, created),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        finals = {}
+        try:
+            async for i, out in gen.results():
+                if out.finished:
+                    finals[i] = out
+        except Disconnected:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for i in range(len(prompts)):
+            for c in finals[i].outputs:
+                completion_tokens += len(c.token_ids)
+                lp = None
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(state, c.token_ids, c.logprobs, req.logprobs, 0)
+                choices.append(P.CompletionChoice(index=i * n + c.index, text=c.text, logprobs=lp,
+                                                  finish_reason=c.finish_reason, stop_reason=_stop_reason(c)))
+        return P.CompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
+                                    usage=_usage(gen, completion_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: P.ChatCompletionRequest, raw_request: Request):
+        arrival = time.monotonic()
+        _check_model(state, req.model)
+        messages = _chat_messages(req)
+        _reject_unless(not req.tools, "tools", "tools are not supported")
+        _reject_unless(req.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
+        _reject_unless(req.response_format is None or req.response_format.get("type") == "text",
+                       "response_format", "only response_format {\"type\": \"text\"} is supported")
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                               param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top_k = (req.top_logprobs or 0) if req.logprobs else None
+        params = _sampling_params(req, max_tokens, top_k)
+        try:
+            prompt = await state.tokenizers.run(state.tokenizers.chat_prompt, messages, req.add_generation_prompt,
+                                                req.chat_template_kwargs)
+        except Exception as e:  # the template rejects the conversation (roles out of order, ...)
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        _check_length(state, [prompt], max_tokens)
+        request_id = P.random_id("chatcmpl")
+        gen = Generation(state, request_id, [prompt], params, raw_request, arrival)
+        gen.start()
+        created = P.now()
+        if req.stream:
+            return StreamingResponse(_stream_chat(state, gen, req, request_id, created, top_k),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        final = None
+        try:
+            async for _, out in gen.results():
+                if out.finished:
+                    final = out
+        except Disconnected:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for c in final.outputs:
+            completion_tokens += len(c.token_ids)
+            lp = _chat_logprobs(state, c.token_ids, c.logprobs, top_k) if top_k is not None else None
+            choices.append(P.ChatChoice(index=c.index, message=P.AssistantMessage(content=c.text), logprobs=lp,
+                                        finish_reason=c.finish_reason, stop_reason=_stop_reason(c)))
+        return P.ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
+                                        usage=_usage(gen, completion_tokens))
+
+    return app
+
+
+class _CountResponses:
+    """Pure ASGI middleware counting responses by endpoint and status (streams pass through untouched)."""
+
+    ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in self.ENDPOINTS else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count_response(path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+async def _stream_completion(state, gen: Generation, req, request_id, created):
+    n, k = gen.params.n, req.logprobs
+    sent_tokens, text_len, done = {}, {}, set()
+    completion_tokens = 0
+    try:
+        async for i, out in gen.results():
+            for c in out.outputs:
+                key = (i, c.index)
+                if key in done or not (c.delta or c.finish_reason):
+                    continue  # text held back (a partial character or stop string): wait
+                start = sent_tokens.get(key, 0)
+                sent_tokens[key] = len(c.token_ids)
+                lp = None
+                if k is not None:
+                    lp = _completion_logprobs(state, c.token_ids[start:], c.logprobs[start:], k, text_len.get(key, 0))
+                text_len[key] = text_len.get(key, 0) + len(c.delta)
+                if c.finish_reason:
+                    done.add(key)
+                    completion_tokens += len(c.token_ids)
+                choice = P.CompletionChoice(index=i * n + c.index, text=c.delta, logprobs=lp,
+                                            finish_reason=c.finish_reason, stop_reason=_stop_reason(c))
+                yield _sse(P.CompletionResponse(id=request_id, created=created, model=state.model_name,
+                                                choices=[choice]))
+        if req.stream_options and req.stream_options.include_usage:
+            yield _sse(P.CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[],
+                                            usage=_usage(gen, completion_tokens)))
+    except Disconnected:
+        return
+    except APIError as e:
+        yield _sse_error(e)
+    yield "data: [DONE]\n\n"
+
+
+async def _stream_chat(state, gen: Generation, req, request_id, created, k):
+    n = gen.params.n
+    sent_tokens, done = {}, set()
+    completion_tokens = 0
+
+    def chunk(choices, usage=None):
+        return _sse(P.ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
+                                          usage=usage))
+
+    try:
+        yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
+                     for i in range(n)])
+        async for _, out in gen.results():
+            for c in out.outputs:
+                if c.index in done or not (c.delta or c.finish_reason):
+                    continue
+                start = sent_tokens.get(c.index, 0)
+                sent_tokens[c.index] = len(c.token_ids)
+                lp = None
+                if k is not None:
+                    lp = _chat_logprobs(state, c.token_ids[start:], c.logprobs[start:], k)
+                if c.finish_reason:
+                    done.add(c.index)
+                    completion_tokens += len(c.token_ids)
+                delta = P.DeltaMessage(content=c.delta) if c.delta else P.DeltaMessage()
+                yield chunk([P.ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
+                                               finish_reason=c.finish_reason)])
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], usage=_usage(gen, completion_tokens))
+    except Disconnected:
+        return
+    except APIError as e:
+        yield _sse_error(e)
+    yield "data: [DONE]\n\n"

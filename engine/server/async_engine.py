@@ -1,0 +1,214 @@
+"""The engine loop in its own thread, fed by a thread-safe command queue.
+
+`LLMEngine` is not thread-safe, so every call into it happens on the loop thread. Request
+handlers (on an asyncio event loop) `submit` token ids and sampling params with a sink — an
+asyncio.Queue and the loop it belongs to — and `abort` ids; the loop picks these commands up at
+the start of its next iteration, so new requests join the running batch at the next step. Each
+step's outputs are handed to the sinks with one `call_soon_threadsafe` per event loop.
+
+The loop also times itself: the wall time of iterations that had work, and within it the time
+in model execution, in sampling and in per-token postprocessing (detokenization, stop strings),
+so /metrics can show the share of loop time spent outside the model.
+"""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("eightbit.server")
+
+
+class EngineLoopError(RuntimeError):
+    """The engine raised inside a step; every request in flight is failed with this."""
+
+
+@dataclass
+class Sink:
+    loop: object  # the asyncio event loop of the handler waiting on `queue`
+    queue: object  # asyncio.Queue receiving (request_id, RequestOutput | Exception)
+
+
+class _Timer:
+    """Wraps a bound method of the engine and adds its wall time to a counter."""
+
+    def __init__(self, fn, sync_cuda: bool):
+        self.fn = fn
+        self.sync_cuda = sync_cuda
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        if self.sync_cuda:  # CUDA work is asynchronous: charge it here, not to whatever syncs next
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+class AsyncEngine:
+    def __init__(self, engine, idle_poll_s: float = 0.5):
+        self.engine = engine
+        self.idle_poll_s = idle_poll_s
+        self._commands = queue.SimpleQueue()
+        self._sinks = {}  # request_id -> Sink, touched only on the loop thread
+        self._thread = None
+        self._stop = threading.Event()
+        self.steps = 0
+        self.busy_s = 0.0
+        sync = str(engine.config.device).startswith("cuda")
+        # Instance attributes shadow the methods step() calls through self: no engine change needed.
+        self._model_timer = _Timer(engine.runner.run, sync)
+        self._sample_timer = _Timer(engine._sample, False)
+        self._postprocess_timer = _Timer(engine._postprocess, False)
+        engine.runner.run = self._model_timer
+        engine._sample = self._sample_timer
+        engine._postprocess = self._postprocess_timer
+        self._stats = self._snapshot()
+
+    # --- called from any thread ------------------------------------------------------------
+
+    def start(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="eightbit-engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0):
+        self._stop.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request_id, prompt_token_ids, params, sink: Sink, priority=0):
+        self._commands.put(("add", request_id, prompt_token_ids, params, sink, priority))
+
+    def abort(self, request_id):
+        self._commands.put(("abort", request_id))
+
+    @property
+    def stats(self) -> dict:
+        """The latest snapshot of the engine's state and the loop's timers (a plain dict)."""
+        s = dict(self._stats)
+        s["waiting_requests"] += self._commands.qsize()
+        s["alive"] = self.alive
+        return s
+
+    # --- the loop thread -----------------------------------------------------------------------
+
+    def _run(self):
+        engine = self.engine
+        while not self._stop.is_set():
+            if not engine.has_unfinished_requests():
+                try:  # idle: sleep until a command comes (not counted as busy time)
+                    cmd = self._commands.get(timeout=self.idle_poll_s)
+                except queue.Empty:
+                    continue
+                if cmd is None:
+                    break
+                t0 = time.perf_counter()
+                self._handle(cmd)
+            else:
+                t0 = time.perf_counter()
+            self._drain()
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                    self.steps += 1
+                except Exception as e:  # a bug in the engine: fail what is in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(EngineLoopError(f"engine step failed: {e!r}"))
+                    outputs = []
+                self._deliver(outputs)
+            self.busy_s += time.perf_counter() - t0
+            self._stats = self._snapshot()
+        self._fail_all(EngineLoopError("the engine loop stopped"))
+        self._stats = self._snapshot()
+
+    def _drain(self):
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is None:
+                self._stop.set()
+                return
+            self._handle(cmd)
+
+    def _handle(self, cmd):
+        if cmd[0] == "add":
+            _, request_id, token_ids, params, sink, priority = cmd
+            try:
+                self.engine.add_request(request_id, token_ids, params, priority)
+            except Exception as e:  # validated by the handler already; report anything left over
+                self._send(sink, [(request_id, e)])
+                return
+            self._sinks[request_id] = sink
+        else:
+            _, request_id = cmd
+            self.engine.abort(request_id)  # frees its KV blocks now
+            self._sinks.pop(request_id, None)
+
+    def _deliver(self, outputs):
+        by_sink = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            by_sink.setdefault(id(sink), (sink, []))[1].append((out.request_id, out))
+        for sink, items in by_sink.values():
+            self._send(sink, items)
+
+    def _send(self, sink, items):
+        try:
+            sink.loop.call_soon_threadsafe(_put_all, sink.queue, items)
+        except RuntimeError:  # the handler's event loop is closed: nobody is listening
+            for request_id, _ in items:
+                self.engine.abort(request_id)
+                self._sinks.pop(request_id, None)
+
+    def _fail_all(self, error):
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            self._send(sink, [(request_id, error)])
+
+    def _snapshot(self) -> dict:
+        engine = self.engine
+        sched, bm = engine.scheduler, engine.block_manager
+        running = sched.running
+        model_s = self._model_timer.seconds
+        busy = self.busy_s
+        return {
+            "running_requests": len({s.request.request_id for s in running}),
+            "running_seqs": len(running),
+            "waiting_requests": len({s.request.request_id for s in sched.waiting}),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "generated_tokens": engine.num_generated_tokens,
+            "computed_tokens": engine.num_computed_tokens,
+            "preemptions": sched.num_preemptions,
+            "steps": self.steps,
+            "busy_s": busy,
+            "model_s": model_s,
+            "sample_s": self._sample_timer.seconds,
+            "postprocess_s": self._postprocess_timer.seconds,
+            "outside_model_ratio": (busy - model_s) / busy if busy > 0 else 0.0,
+        }
+
+
+def _put_all(q, items):
+    for item in items:
+        q.put_nowait(item)

@@ -1,0 +1,144 @@
+"""`eightbit serve`: the OpenAI-compatible server on uvicorn, and a background-thread launcher.
+
+Wire it into eightbit/cli.py with `add_serve_parser(sub)` next to the other subcommands.
+"""
+
+import argparse
+import dataclasses
+import logging
+import socket
+import threading
+import time
+import types
+
+from eightbit.engine.config import LOAD_FORMATS, EngineConfig
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_serve_parser(subparsers):
+    from eightbit.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (/v1/completions, "
+                              "/v1/chat/completions, /v1/models, /health, /metrics)")
+    add_engine_args(p)
+    _add_missing_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients pass as `model` (default: --model as given, or "
+                        f"{EMBEDDED_MODEL_NAME} for the embedded model)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="most requests waiting for their first token; past it, 503 with Retry-After "
+                        "(default: no bound, requests wait)")
+    p.add_argument("--tokenizer-workers", type=int, default=2, help="threads tokenizing requests (default: 2)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _arg_type(annotation):
+    """(type, is_bool) from a dataclass field annotation such as `int | None`."""
+    if isinstance(annotation, types.UnionType):
+        annotation = next(a for a in annotation.__args__ if a is not type(None))
+    return annotation, annotation is bool
+
+
+def _add_missing_engine_args(parser):
+    """Every EngineConfig field as a flag, unless eightbit.cli.add_engine_args already has it."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        typ, is_bool = _arg_type(f.type)
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = dict(default=f.default, help=f"engine option {f.name} (default: {f.default})")
+        if is_bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = typ
+        if f.name == "load_format":
+            kwargs["choices"] = list(LOAD_FORMATS)
+        try:
+            parser.add_argument(flag, **kwargs)
+        except argparse.ArgumentError:
+            pass  # add_engine_args defines it
+
+
+def serve_engine_options(args) -> dict:
+    from eightbit.cli import engine_options
+
+    options = engine_options(args)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "model" and f.name not in options and hasattr(args, f.name):
+            options[f.name] = getattr(args, f.name)
+    return options
+
+
+def default_model_name(model) -> str:
+    return EMBEDDED_MODEL_NAME if model is None else str(model)
+
+
+def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2):
+    """(AsyncEngine started, FastAPI app) around an LLMEngine."""
+    from eightbit.engine.server.api import build_app
+    from eightbit.engine.server.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine).start()
+    name = model_name or default_model_name(engine.config.model)
+    return async_engine, build_app(async_engine, name, max_queue=max_queue, tokenizer_workers=tokenizer_workers)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from eightbit.engine.llm_engine import LLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(EngineConfig(model=args.model, **serve_engine_options(args)))
+    async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.stop()
+    return 0
+
+
+class BackgroundServer:
+    """The server on uvicorn in a daemon thread (tests, notebooks). port=0 picks a free port.
+
+    >>> srv = BackgroundServer(LLMEngine(EngineConfig(dtype="float32"))).start()
+    >>> srv.url   # http://127.0.0.1:<port>
+    >>> srv.stop()
+    """
+
+    def __init__(self, engine, host="127.0.0.1", port=0, model_name=None, max_queue=None, tokenizer_workers=2,
+                 log_level="warning"):
+        import uvicorn
+
+        self.async_engine, self.app = build_server(engine, model_name, max_queue, tokenizer_workers)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name="eightbit-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0):
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self):
+        self.server.should_exit = True
+        self._thread.join(10)
+        self.async_engine.stop()
+        self._sock.close()
