@@ -100,3 +100,17 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         return self._release(self._decode_new(final=True), final=True)
+
+
+class NoTextDetokenizer:
+    """For models without a tokenizer (dummy weights): token ids only, no text, no stop strings."""
+
+    text = ""
+    stopped = False
+    stop_string = None
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""

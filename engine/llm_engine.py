@@ -11,7 +11,7 @@ import torch
 
 from eightbit.engine.block_manager import BlockManager
 from eightbit.engine.config import EngineConfig
-from eightbit.engine.detokenizer import IncrementalDetokenizer
+from eightbit.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from eightbit.engine.loader import load_model
 from eightbit.engine.model_runner import ModelRunner, kv_bytes_per_token
 from eightbit.engine.outputs import CompletionOutput, RequestOutput
@@ -92,6 +92,8 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self.max_model_len - len(token_ids)
         if max_tokens < 1:
@@ -106,6 +108,8 @@ class LLMEngine:
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token-id lists")
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer(prompt).input_ids
@@ -122,6 +126,9 @@ class LLMEngine:
         params = seq.params
         if params.seed is not None:
             seq.generator = make_generator(params.seed + seq.index, self.config.device)
+        if self.tokenizer is None:
+            seq.detokenizer = NoTextDetokenizer()
+            return
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.stop, params.skip_special_tokens
         )

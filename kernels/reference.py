@@ -148,9 +148,29 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
 
 
 def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, softmax_scale):
-    """One query per sequence: q [B, Hq, D] at position seq_lens[b] - 1. Returns [B, Hq, D]."""
-    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu, seq_lens, softmax_scale)
+    """One query per sequence: q [B, Hq, D] at position seq_lens[b] - 1. Returns [B, Hq, D].
+
+    Batched over sequences: every block table is gathered to its full width and the
+    keys past each sequence's length are masked out.
+    """
+    b, hq, d = q.shape
+    k = gather_kv_padded(k_cache, k_scale, block_tables)  # [B, L, Hkv, D]
+    v = gather_kv_padded(v_cache, v_scale, block_tables)
+    hkv = k.shape[2]
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * softmax_scale
+    past_end = torch.arange(k.shape[1], device=q.device) >= seq_lens.view(b, 1, 1, 1)
+    probs = scores.masked_fill(past_end, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(b, hq, d).to(q.dtype)
+
+
+def gather_kv_padded(cache, scale, block_tables):
+    """All blocks of every table, dequantized: [B, width * block_size, Hkv, D] float32."""
+    blocks = block_tables.long().clamp(min=0)  # -1 padding reads block 0; those keys are masked
+    x = cache[blocks].flatten(1, 2)
+    if scale is None:
+        return x.float()
+    return dequantize_groups(x, scale[blocks].flatten(1, 2))
 
 
 def _attend(q, k, v, softmax_scale, first_pos):

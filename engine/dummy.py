@@ -1,0 +1,51 @@
+"""Random-weight models of real shapes, for benchmarks that need no checkpoint.
+
+`LLM(model="llama-3-8b", load_format="dummy")` builds the named shape (or reads a config
+dir's config.json) and fills every weight with N(0, 0.02) noise, then quantizes the
+linears on the fly if `quantization="w8a8"`. No Llama tokenizer is available offline,
+so dummy models take token-id prompts and produce no text (only token ids).
+"""
+
+import torch
+
+KNOWN_SHAPES = {
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                       rope_theta=500000.0, rms_norm_eps=1e-5),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # a few-MB model of the same family, for CPU tests of the benchmark scripts
+    "llama-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=1024, max_position_embeddings=2048),
+}
+
+
+def dummy_config(model):
+    from transformers import AutoConfig, LlamaConfig
+
+    if model in KNOWN_SHAPES:
+        return LlamaConfig(**KNOWN_SHAPES[model])
+    if model is None:
+        raise ValueError(f"load_format='dummy' needs a model shape: one of {sorted(KNOWN_SHAPES)} or a config dir")
+    return AutoConfig.from_pretrained(model)
+
+
+@torch.no_grad()
+def load_dummy_model(config):
+    from eightbit.engine.loader import LoadedModel, build_model
+
+    hf_config = dummy_config(config.model)
+    model = build_model(hf_config, False, config.torch_dtype, config.device)
+    generator = torch.Generator(device=config.device).manual_seed(config.seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+    quantized = config.quantization == "w8a8"
+    if quantized:
+        model.quantize_linears_()
+    return LoadedModel(model, hf_config, None, [], None, quantized)
