@@ -22,6 +22,8 @@ from eightbit.engine.sequence import Request, Sequence
 from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme
 
 CPU_KV_CACHE_GB = 1.0
+MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
+GRAPH_RESERVE_BYTES = 512 * 2**20  # CUDA graphs' own pool and workspace, kept out of the KV budget
 
 
 class LLMEngine:
@@ -33,16 +35,23 @@ class LLMEngine:
         self.quantized = loaded.quantized
         self.max_model_len = self._max_model_len()
         self.kv_dtype, self.kv_group_size = self._kv_format(loaded.kv_group_size)
+        self.runner = ModelRunner(self.model, config.block_size, config.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.block_manager, config.device)
+        self.runner.block_manager = self.block_manager
         self.runner.allocate_kv_cache(num_blocks, self.kv_dtype, self.kv_group_size)
+        if self.on_cuda and not config.enforce_eager:
+            self.runner.capture_decode_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH), self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests = {}  # request_id -> Request, until finished
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.num_generated_tokens = 0
 
     # --- set-up -------------------------------------------------------------------------
+
+    @property
+    def on_cuda(self) -> bool:
+        return torch.device(self.config.device).type == "cuda"
 
     def _max_model_len(self) -> int:
         limit = self.hf_config.max_position_embeddings
@@ -68,12 +77,14 @@ class LLMEngine:
         bytes_per_block = self.kv_bytes_per_token * c.block_size
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
-        elif c.kv_cache_memory_gb is not None or not str(c.device).startswith("cuda"):
+        elif c.kv_cache_memory_gb is not None or not self.on_cuda:
             num_blocks = int((c.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30 // bytes_per_block)
-        else:
+        else:  # what is left under gpu_memory_utilization after the weights and the biggest step's activations
+            peak = self.runner.profile_peak_memory(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
             free, total = torch.cuda.mem_get_info()
-            budget = total * c.gpu_memory_utilization - (total - free)
-            num_blocks = int(budget // bytes_per_block)
+            other_processes = total - free - torch.cuda.memory_reserved()
+            budget = total * c.gpu_memory_utilization - other_processes - peak - GRAPH_RESERVE_BYTES
+            num_blocks = max(int(budget // bytes_per_block), 0)
         capacity = num_blocks * c.block_size
         if capacity < self.max_model_len:
             raise ValueError(

@@ -60,12 +60,22 @@ def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, group_size=Non
 
 
 class ModelRunner:
-    def __init__(self, model, block_manager, device):
+    def __init__(self, model, block_size, device):
         self.model = model
-        self.block_manager = block_manager
-        self.block_size = block_manager.block_size
+        self.block_manager = None  # set by the engine once the cache size is known
+        self.block_size = block_size
         self.device = torch.device(device)
         self.kv_cache = None
+        self.decode_graphs = None  # DecodeGraphs once captured (CUDA only)
+
+    def capture_decode_graphs(self, max_batch, max_model_len):
+        from eightbit.engine.cuda_graphs import DecodeGraphs
+
+        hidden_size = self.model.config.hidden_size
+        dtype = self.model.model.embed_tokens.weight.dtype
+        width = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, width, hidden_size, dtype, self.device)
+        self.decode_graphs.capture()
 
     def allocate_kv_cache(self, num_blocks, dtype, group_size=None):
         attn = self.model.attention_layers()
@@ -80,13 +90,50 @@ class ModelRunner:
         if copies:
             self.kv_cache.copy_blocks(copies)
         input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled)
+        graphs = self.decode_graphs
+        if context.is_decode and graphs is not None and graphs.fits(len(input_ids), context.block_tables.shape[1]):
+            hidden = graphs.run(input_ids, positions, context.slot_mapping, context.block_tables, context.seq_lens)
+        else:
+            hidden = self._run_eager(input_ids, positions, context)
+        rows = sample_rows.to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows]) if sample_seqs else None
+        return StepResult(sample_seqs, logits, self._prompt_logprobs(scheduled, hidden))
+
+    def _run_eager(self, input_ids, positions, context):
+        dev = self.device
+        context = Context(context.is_decode, *(t.to(dev, non_blocking=True) for t in (
+            context.slot_mapping, context.block_tables, context.seq_lens, context.cu_seqlens_q)))
         set_context(context)
         try:
-            hidden = self.model(input_ids, positions)
+            return self.model(input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True))
         finally:
             reset_context()
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_seqs else None
-        return StepResult(sample_seqs, logits, self._prompt_logprobs(scheduled, hidden))
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len) -> int:
+        """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits), in bytes.
+
+        Runs with a temporary KV cache just large enough; the cache's own bytes are not counted.
+        """
+        n = min(num_tokens, max_model_len)
+        blocks = -(-n // self.block_size)
+        self.allocate_kv_cache(blocks, self.model.model.embed_tokens.weight.dtype)
+        cache_bytes = 2 * self.kv_cache.k.numel() * self.kv_cache.k.element_size()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        context = Context(False, torch.arange(n), torch.arange(blocks, dtype=torch.int32).view(1, -1),
+                          torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32))
+        hidden = self._run_eager(torch.zeros(n, dtype=torch.int64), torch.arange(n), context)
+        rows = min(num_logit_rows, n)
+        self.model.compute_logits(hidden[:rows]).softmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - cache_bytes
+        del hidden
+        self.kv_cache = None
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = None
+        torch.cuda.empty_cache()
+        return peak
 
     def _prepare(self, scheduled):
         input_ids, positions, slots, cu, seq_lens = [], [], [], [0], []
@@ -105,17 +152,17 @@ class ModelRunner:
                 sample_seqs.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
-        dev = self.device
+        # Built on the host; moved to the device by _run_eager or copied into the graphs' buffers.
         context = Context(
             is_decode=all(n == 1 for _, n in scheduled),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, context, torch.tensor(sample_rows, device=dev), sample_seqs
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        return ids, pos, context, torch.tensor(sample_rows, dtype=torch.int64), sample_seqs
 
     def _prompt_logprobs(self, scheduled, hidden):
         """Log-probs of each prompt token given the ones before it, for the requests that asked."""
