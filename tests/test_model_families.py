@@ -1,0 +1,51 @@
+"""Each supported family against HF transformers' own model: tiny random checkpoints, logits compared."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eightbit import LLM, SamplingParams
+from eightbit.quant.testing import make_tiny_checkpoint
+
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "llama3-rope-scaling": dict(model_type="llama", max_position_embeddings=256, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "llama-tied-mha": dict(model_type="llama", tie_word_embeddings=True, num_key_value_heads=4),
+    "mistral": dict(model_type="mistral"),
+    "qwen2-qkv-bias": dict(model_type="qwen2"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from eightbit.quant.testing import make_tiny_tokenizer
+
+    return make_tiny_tokenizer(320)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_hf_logits(family, tmp_path, tiny_tokenizer):
+    options = dict(FAMILIES[family])
+    model_type = options.pop("model_type")
+    folder = make_tiny_checkpoint(tmp_path / family, model_type, tokenizer=tiny_tokenizer, **options)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory_gb=0.05)
+    ids = [1] + [(17 * i + 5) % 300 + 3 for i in range(150)]  # crosses several KV blocks, past the RoPE 64 boundary
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0,
+                                              ignore_eos=True), use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids + generated])).logits[0].double(), -1)
+    ours = [entry[t] for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(ours, dtype=torch.float64), theirs, atol=1e-4)
+    for j, token in enumerate(generated):  # the decode path (cache reads) too
+        assert abs(out.outputs[0].logprobs[j][token] - ref[len(ids) - 1 + j, token].item()) < 1e-4
+
+
+def test_mistral_sliding_window_is_refused(tmp_path, tiny_tokenizer):
+    folder = make_tiny_checkpoint(tmp_path / "m", "mistral", tokenizer=tiny_tokenizer, sliding_window=32)
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory_gb=0.05)

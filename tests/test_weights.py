@@ -1,0 +1,65 @@
+"""Opening checkpoints: clear errors for everything eightbit cannot or will not read."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eightbit import LLM
+from eightbit.engine.weights import CheckpointError, open_checkpoint
+
+
+def write_config(folder, **config):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_unknown_path():
+    with pytest.raises(CheckpointError, match="no such model path"):
+        open_checkpoint("/nonexistent/model")
+
+
+def test_missing_config(tmp_path):
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        open_checkpoint(tmp_path)
+
+
+def test_pickled_weights_are_refused_not_unpickled(tmp_path):
+    write_config(tmp_path, model_type="llama")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(CheckpointError, match="never unpickles"):
+        open_checkpoint(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path):
+    write_config(tmp_path, model_type="llama")
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        open_checkpoint(tmp_path)
+
+
+def test_garbage_safetensors(tmp_path):
+    write_config(tmp_path, model_type="llama")
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="not a valid safetensors"):
+        open_checkpoint(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        LLM(str(tmp_path), dtype="float32", device="cpu")
+
+
+def test_a_non_gguf_file_is_refused(tmp_path):
+    f = tmp_path / "weights.pt"
+    f.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a .gguf"):
+        open_checkpoint(f)
