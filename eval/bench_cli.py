@@ -38,6 +38,8 @@ def add_bench_parser(subparsers):
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="results dir (default $OUT)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-cap", type=float, default=None, help="soft wall-clock budget of this process, seconds")
+    p.add_argument("--throughput-cap", type=float, default=None,
+                   help="soft budget of the throughput benchmark alone (so a slow peer leaves time for latency)")
     # throughput
     p.add_argument("--num-requests", type=int, default=256, help="requests in the list (eightbit runs all)")
     p.add_argument("--input-len", default="100:1024", help="uniform inclusive range LO:HI (or one number)")
@@ -173,23 +175,29 @@ def run_system(args, benches):
                 emit(*recs)
                 _log(_latency_line(recs[0]))
         elif bench == "throughput":
+            bench_deadline = deadline
+            if args.throughput_cap is not None and args.throughput_cap < deadline.left():
+                bench_deadline = Deadline(args.throughput_cap)
             if is_engine:
                 from eightbit.eval.bench_engine import bench_throughput
 
-                _log(f"throughput: {len(requests)} requests ({deadline.left():.0f} s left)")
-                rec = bench_throughput(system, requests, deadline, warmup, base, len(requests), args.seed)
-                emit(rec)
-                _log(_throughput_line(rec))
-                if args.prefix and args.prefix < len(requests):
-                    _log(f"throughput: the first {args.prefix} requests")
-                    rec = bench_throughput(system, requests[: args.prefix], deadline, False, base, len(requests),
+                runs = [requests]
+                if args.prefix and args.prefix < len(requests):  # the short run first: it also warms up
+                    runs.insert(0, requests[: args.prefix])
+                for i, reqs in enumerate(runs):
+                    _log(f"throughput: {len(reqs)} of {len(requests)} requests ({bench_deadline.left():.0f} s left)")
+                    rec = bench_throughput(system, reqs, bench_deadline, warmup and i == 0, base, len(requests),
                                            args.seed)
                     emit(rec)
                     _log(_throughput_line(rec))
             else:
                 prefix = requests[: min(args.peer_requests, len(requests))]
+                odd = [b for b in _int_list(args.hf_batch_sizes) if len(prefix) % b]
+                if odd:
+                    _log(f"note: {len(prefix)} requests is not a multiple of batch {odd}: the last batch is smaller "
+                         "(and a compiled peer recompiles for it)")
                 _log(f"throughput: {len(prefix)} of {len(requests)} requests, batch sizes {args.hf_batch_sizes}")
-                rec = system.bench_throughput(prefix, _int_list(args.hf_batch_sizes), deadline, warmup, base,
+                rec = system.bench_throughput(prefix, _int_list(args.hf_batch_sizes), bench_deadline, warmup, base,
                                               len(requests))
                 emit(rec)
                 _log(_throughput_line(rec))
@@ -258,7 +266,8 @@ def latency_rows(records):
     rows = []
     for r in recs:
         note = r.get("error") or r.get("note") or ""
-        rows.append(dict(system=r["system"], batch=r.get("batch"), ttft_ms=r.get("ttft_ms"), tpot_ms=r.get("tpot_ms"),
+        rows.append(dict(system=r["system"], batch=r.get("batch"), tokens=f"{r.get('prompt_len')}+{r.get('new_tokens')}",
+                         ttft_ms=r.get("ttft_ms"), tpot_ms=r.get("tpot_ms"),
                          tok_s=r.get("tok_s"), decode_tok_s=r.get("decode_tok_s"),
                          mb_per_token=r["bytes_per_token"] / 1e6 if r.get("bytes_per_token") else None,
                          achieved_gbs=r.get("achieved_gbs"), roofline_pct=r.get("roofline_pct"), note=note,
@@ -303,8 +312,9 @@ def latency_table(rows):
     from eightbit.eval.bench_common import format_table
 
     return format_table(
-        ["system", "batch", "TTFT ms", "TPOT ms", "tok/s", "decode tok/s", "MB/token", "GB/s", "% roofline", "note"],
-        [[r["system"], r["batch"], r["ttft_ms"], r["tpot_ms"], r["tok_s"], r["decode_tok_s"], r["mb_per_token"],
+        ["system", "batch", "prompt+new", "TTFT ms", "TPOT ms", "tok/s", "decode tok/s", "MB/token", "GB/s",
+         "% roofline", "note"],
+        [[r["system"], r["batch"], r["tokens"], r["ttft_ms"], r["tpot_ms"], r["tok_s"], r["decode_tok_s"], r["mb_per_token"],
           r["achieved_gbs"], r["roofline_pct"], r["note"]] for r in rows],
         "Latency (tok/s = all generated tokens / wall time incl. prefill; GB/s and % of the copy bandwidth over "
         "the decode-only steps)")
