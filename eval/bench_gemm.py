@@ -157,6 +157,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--quick", action="store_true", help="8B shapes, fewer M")
+    ap.add_argument("--decode", action="store_true", help="both models, M in 1, 2, 4, 8, 16 only, no row kernels")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     dev_name = torch.cuda.get_device_name()
@@ -165,6 +166,8 @@ def main(argv=None):
     print(f"device: {dev_name}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
     models = {"llama3-8b": MODELS["llama3-8b"]} if args.quick else MODELS
     m_list = (1, 16, 64, 1024, 4096) if args.quick else M_LIST
+    if args.decode:
+        models, m_list = MODELS, (1, 2, 4, 8, 16)
     lin = []
     for model, shapes in models.items():
         for name, (n, k) in shapes.items():
@@ -184,7 +187,7 @@ def main(argv=None):
                 )
     copy_end = copy_bandwidth()
     print(f"copy bandwidth at the end: {copy_end:.0f} GB/s", flush=True)
-    rows = bench_rows(copy_gbs)
+    rows = [] if args.decode else bench_rows(copy_gbs)
     md = render_markdown(dev_name, copy_gbs, lin, rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,9 @@
 """Tune int8_gemm's launch configurations on the GPU and write the committed table.
 
     python eval/tune_gemm.py [--out kernels/gemm_configs.json] [--budget-s 240] [--workers 16]
+                             [--buckets 1,2,4,8,16] [--log tune_log.json]
+
+With --buckets only those M buckets are tuned; the other entries of the existing table are kept.
 
 For every target (N, K) (Llama-3-8B and Llama-3.2-1B linear shapes) and every
 M bucket of gemm_configs.M_BUCKETS, each candidate configuration is
@@ -28,15 +31,30 @@ TARGETS = [  # (N, K), the 8B shapes first
 ]
 
 
+GEMV_TILES = {  # M bucket -> (block_n, block_k, num_warps): <= ~64 accumulator words per thread
+    1: ((16, 1024, 4), (32, 512, 4), (8, 1024, 4), (16, 2048, 8), (32, 1024, 8), (16, 512, 4), (64, 512, 8),
+        (16, 2048, 4)),
+    2: ((16, 512, 4), (16, 1024, 4), (8, 1024, 4), (32, 512, 8), (16, 1024, 8), (32, 256, 4)),
+    4: ((16, 256, 4), (16, 512, 4), (8, 512, 4), (32, 256, 4), (16, 512, 8), (8, 1024, 8)),
+    8: ((8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (8, 512, 8)),
+}
+
+
 def candidates(m):
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
     if m <= 64:
         bm = max(16, m)
         out = []
-        for bn, bk, st in ((32, 256, 4), (64, 256, 4), (128, 256, 3), (64, 128, 6), (32, 512, 3), (64, 512, 3)):
+        for bn, bk, st in ((32, 256, 4), (64, 256, 4), (128, 256, 3), (64, 128, 6), (32, 512, 3), (64, 512, 3),
+                           (32, 256, 8), (64, 256, 6)):
             for sk in (1, 2, 4, 8):
                 out.append(C(bm, bn, bk, 1, sk, 4, st))
+        gb = m if m in GEMV_TILES else (8 if m <= 16 else None)
+        if gb is not None:
+            for bn, bk, w in GEMV_TILES[gb]:
+                for sk in (1, 2, 4, 8):
+                    out.append(C(gb, bn, bk, 1, sk, w, 1, "gemv"))
         return out
     if m <= 256:
         return [C(64, 64, 128, 8, 1, 4, 4), C(64, 128, 128, 8, 1, 4, 4), C(64, 128, 128, 8, 2, 4, 4),
@@ -78,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "kernels", "gemm_configs.json"))
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--buckets", default="", help="comma-separated M buckets to tune (default: all)")
+    ap.add_argument("--log", help="write every candidate's time here (JSON)")
     args = ap.parse_args(argv)
     t0 = time.time()
 
@@ -85,7 +105,28 @@ def main(argv=None):
     from eightbit.kernels import gemm_configs as gc
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
 
-    jobs = [(mb, n, k, cfg) for (n, k) in TARGETS for mb in gc.M_BUCKETS for cfg in candidates(mb)]
+    buckets = [int(b) for b in args.buckets.split(",") if b] or list(gc.M_BUCKETS)
+    # the table being replaced (--out, else the one the package reads): its entries are timed again as a baseline
+    # and the buckets not tuned now are kept (a non-editable install may not carry the package's json)
+    old = {}
+    for path in (args.out, gc.TABLE_PATH):
+        if os.path.exists(path):
+            with open(path) as f:
+                old = {(e["m_bucket"], e["n"], e["k"]): e for e in json.load(f).get("configs", [])}
+            break
+    prev_table = {key: gc.GemmConfig(**e["config"]) for key, e in old.items()}
+
+    def prev_of(mb, n, k):  # what the committed table served this bucket before (buckets < 16 are new)
+        return prev_table.get((max(mb, 16) if mb <= 16 else mb, n, k)) or gc.dot_config(mb, n, k)
+
+    def cands_for(mb, n, k):
+        out = list(candidates(mb))
+        for extra in (gc.default_config(mb, n, k), prev_of(mb, n, k)):
+            if extra is not None and extra not in out:
+                out.append(extra)
+        return out
+
+    jobs = [(mb, n, k, cfg) for (n, k) in TARGETS for mb in buckets for cfg in cands_for(mb, n, k)]
     # one compile per distinct (config, specialization): M=mb is always a multiple of 16 here
     seen, uniq = set(), []
     for m, n, k, cfg in jobs:
@@ -104,9 +145,9 @@ def main(argv=None):
                 bad.add(cfg)
     print(f"warmed {len(uniq)} kernels in {time.time() - t0:.0f}s ({len(bad)} failed)", flush=True)
 
-    entries = []
+    entries, log = [], []
     for n, k in TARGETS:
-        for mb in gc.M_BUCKETS:
+        for mb in buckets:
             if time.time() - t0 > args.budget_s:
                 print(f"budget spent: N={n} K={k} M<={mb} keeps the default", flush=True)
                 continue
@@ -119,9 +160,8 @@ def main(argv=None):
             xs = torch.rand(m, 1, device="cuda") * 0.01
             wss = [torch.rand(n, 1, device="cuda") * 0.01 for _ in range(nc)]
             default = gc.default_config(m, n, k)
-            cands = [c for c in candidates(mb) if c not in bad]
-            if default not in cands:
-                cands.append(default)
+            prev = prev_of(mb, n, k)
+            cands = [c for c in cands_for(mb, n, k) if c not in bad]
             timings = {}
             for cfg in cands:
                 try:
@@ -131,18 +171,27 @@ def main(argv=None):
                         continue
                     timings[cfg] = time_graph(
                         [lambda i=i, c=cfg: int8_gemm_with_config(xq, xs, wqs[i], wss[i], None, torch.bfloat16, c)
-                         for i in range(nc)], target_ms=2.0, replays=3)
+                         for i in range(nc)], target_ms=1.0, replays=3)
                 except Exception as e:  # noqa: BLE001
                     print(f"failed: {cfg} at M={m} N={n} K={k}: {repr(e)[:150]}", flush=True)
+            log += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict(), us=round(t, 3)) for c, t in timings.items()]
             if not timings:
                 continue
             best = min(timings, key=timings.get)
             entries.append(dict(m_bucket=mb, n=n, k=k, config=best.to_dict(), us=round(timings[best], 2),
-                                default_us=round(timings.get(default, float("nan")), 2)))
-            print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {timings.get(default, float('nan')):8.1f}us)"
+                                default_us=round(timings.get(default, float("nan")), 2),
+                                prev_us=round(timings.get(prev, float("nan")), 2), prev_config=prev.to_dict()))
+            print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {timings.get(default, float('nan')):8.1f}us,"
+                  f" before {timings.get(prev, float('nan')):8.1f}us, {n * k / timings[best] / 1e3:6.0f} GB/s)"
                   f"  {best.key()}", flush=True)
             del wqs, wss, exact
             torch.cuda.empty_cache()
+    kept = [e for (mb, n, k), e in old.items() if mb not in buckets]  # with their recorded times
+    entries = sorted(kept + entries, key=lambda e: ([t for t in TARGETS].index((e["n"], e["k"]))
+                                                    if (e["n"], e["k"]) in TARGETS else 99, e["m_bucket"]))
+    if args.log:
+        with open(args.log, "w") as f:
+            json.dump(log, f)
     table = dict(
         device=torch.cuda.get_device_name(), triton=__import__("triton").__version__, torch=torch.__version__,
         date=time.strftime("%Y-%m-%d"), note="written by eval/tune_gemm.py; key = (m_bucket, n, k)",

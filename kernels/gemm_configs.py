@@ -7,6 +7,8 @@ GPU and writes `gemm_configs.json` beside this file; `get_config` reads it once
 table does not hold.
 
 M is bucketed: a config tuned at bucket B serves every M in (previous bucket, B].
+A config names its kernel: "dot" (the tiled tensor-core kernel, any M) or "gemv" (the dp4a
+weight-streaming kernel for M <= 8: block_m is then the activation rows per program, 1-8).
 """
 
 import json
@@ -15,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import triton
 
-M_BUCKETS = (16, 32, 64, 128, 256, 1024, 4096, 8192)
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs.json")
 
 
@@ -28,9 +30,11 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    kernel: str = "dot"
 
     def key(self):
-        return (self.block_m, self.block_n, self.block_k, self.group_m, self.split_k, self.num_warps, self.num_stages)
+        return (self.block_m, self.block_n, self.block_k, self.group_m, self.split_k, self.num_warps, self.num_stages,
+                self.kernel)
 
     def to_dict(self):
         return asdict(self)
@@ -44,8 +48,32 @@ def m_bucket(m):
     return M_BUCKETS[-1]
 
 
+GEMV_MAX_M = 8
+
+
+def gemv_config(m, n, k, num_sms=132):
+    """The gemv kernel for M <= 8: ~32 accumulator words per thread per row, split-K until ~2 programs per SM."""
+    block_m = 1 if m <= 1 else (2 if m <= 2 else (4 if m <= 4 else 8))
+    block_n = 16 if block_m <= 4 else 8
+    block_k = {1: 1024, 2: 512, 4: 256, 8: 256}[block_m]
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = 1
+    while tiles * split_k < 2 * num_sms and split_k * 2 <= 8 and k_tiles >= split_k * 2 * 2:
+        split_k *= 2
+    return GemmConfig(block_m, block_n, block_k, group_m=1, split_k=split_k, num_warps=4, num_stages=1, kernel="gemv")
+
+
 def default_config(m, n, k, num_sms=132):
-    """A sane configuration for any shape: narrow tiles + split-K for small M, big tiles otherwise."""
+    """A sane configuration for any shape: gemv for M <= 4, narrow tiles + split-K up to M = 64, big tiles above."""
+    if m <= 4:
+        return gemv_config(m, n, k, num_sms)
+    return dot_config(m, n, k, num_sms)
+
+
+def dot_config(m, n, k, num_sms=132):
+    """The default configuration of the tiled (tensor-core) kernel."""
     if m <= 64:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
         block_n = 64
@@ -83,6 +111,16 @@ def table_entries():
 
 
 def get_config(m, n, k):
-    """The committed config for this shape's bucket, or the default."""
-    cfg = _load_table().get((m_bucket(m), n, k))
-    return cfg if cfg is not None else default_config(m, n, k)
+    """The committed config for this shape's bucket, else (M <= 16, dot default) the table's next larger
+    bucket up to 16, else the default."""
+    table = _load_table()
+    b = m_bucket(m)
+    cfg = table.get((b, n, k))
+    if cfg is not None:
+        return cfg
+    default = default_config(m, n, k)
+    if default.kernel == "dot":
+        for up in M_BUCKETS:
+            if b < up <= 16 and (up, n, k) in table:
+                return table[(up, n, k)]
+    return default

@@ -27,6 +27,15 @@ runs the epilogue. No float atomics, one launch, no memset: the counters clean
 up after themselves. (The counters are shared per device: do not run two
 split-K launches concurrently on different streams.)
 
+Small M (decode) has a second kernel, `_int8_gemv_kernel` (config.kernel == "gemv"): at M <= 8 the
+tensor cores do not matter, the weight bytes do. It streams W as int32 words (4 int8 each, 16-byte
+vector loads along K), keeps one [BLOCK_N, BLOCK_K/4] int32 accumulator per activation row and
+multiplies with `dp4a` (4 int8 products + add in one instruction; a shift-based twin under the
+interpreter), reducing along K once at the end. No shared memory, no tensor-core layouts: each
+program only has its loads in flight. Its split-K partials are added with int32 atomics into a
+zeroed [M, N] int32 buffer (exact and order-independent), the last split to arrive (same counter
+scheme) reads the sum, zeroes the buffer again and runs the epilogue.
+
 Masks: rows past M and columns past N load clamped (valid) addresses and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
 """
@@ -35,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eightbit.kernels.gemm_configs import GemmConfig, get_config
+from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
 
 
 @triton.jit
@@ -131,10 +140,233 @@ def _int8_gemm_kernel(
                       HAS_BIAS)
 
 
+@triton.jit
+def _dp4a(w, x, acc, USE_ASM: tl.constexpr):
+    """acc + sum over the 4 bytes of sext(w_byte) * sext(x_byte), elementwise on int32 words."""
+    if USE_ASM:
+        res = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, x, acc],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:  # the interpreter has no inline asm: the same products through arithmetic shifts
+        res = acc
+        for s in tl.static_range(4):
+            res += ((w << (24 - 8 * s)) >> 24) * ((x << (24 - 8 * s)) >> 24)
+    return res
+
+
+@triton.jit
+def _gemv_row(acc, w, x_row_ptr, k0, offs_k, KW, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):
+    if EVEN_K:
+        x = tl.load(x_row_ptr + k0 + offs_k)
+    else:
+        x = tl.load(x_row_ptr + k0 + offs_k, mask=(k0 + offs_k) < KW, other=0)
+    return _dp4a(w, tl.broadcast_to(x[None, :], w.shape), acc, USE_ASM)
+
+
+@triton.jit
+def _gemv_out(s, m, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS: tl.constexpr):
+    """Row m of the output from its int32 sums s [BLOCK_N] (nothing stored for m >= M)."""
+    mask_n = offs_n < N
+    xs = tl.load(xs_ptr + tl.minimum(m, M - 1))
+    ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    out = s.to(tl.float32) * xs * ws
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(c_ptr + m.to(tl.int64) * stride_cm + offs_n * stride_cn, out.to(c_ptr.dtype.element_ty),
+             mask=mask_n & (m < M))
+
+
+@triton.jit
+def _gemv_add(s, m, M, offs_n, N, acc_ptr):
+    tl.atomic_add(acc_ptr + m.to(tl.int64) * N + offs_n, s, mask=(offs_n < N) & (m < M), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gemv_take(m, M, offs_n, N, acc_ptr):
+    """The summed row m from the split-K buffer, which is zeroed again for the next launch."""
+    mask = (offs_n < N) & (m < M)
+    ptrs = acc_ptr + m.to(tl.int64) * N + offs_n
+    s = tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
+    tl.store(ptrs, tl.zeros_like(s), mask=mask)
+    return s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemv_kernel(
+    # pointers (a_ptr / b_ptr: the int8 operands viewed as int32 words, 4 along K each)
+    a_ptr, xs_ptr, b_ptr, ws_ptr, bias_ptr, c_ptr, acc_ptr, lock_ptr,
+    # sizes (KW = K / 4 words)
+    M, N, KW,
+    # strides (a / b in words)
+    stride_am, stride_bn, stride_cm, stride_cn,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # activation rows per program: 1, 2, 4 or 8
+    BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr,  # words of K per step (BLOCK_K / 4)
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M == 1 or BLOCK_M == 2 or BLOCK_M == 4 or BLOCK_M == 8)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
+
+    k_tiles = tl.cdiv(KW, BLOCK_KW)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_start = pid_k * per_split
+    t_end = tl.minimum(t_start + per_split, k_tiles)
+
+    m0 = pid_m * BLOCK_M
+    x0 = a_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_am
+    x1 = a_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_am
+    x2 = a_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_am
+    x3 = a_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_am
+    x4 = a_ptr + tl.minimum(m0 + 4, M - 1).to(tl.int64) * stride_am
+    x5 = a_ptr + tl.minimum(m0 + 5, M - 1).to(tl.int64) * stride_am
+    x6 = a_ptr + tl.minimum(m0 + 6, M - 1).to(tl.int64) * stride_am
+    x7 = a_ptr + tl.minimum(m0 + 7, M - 1).to(tl.int64) * stride_am
+    acc0 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    acc4 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    acc5 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    acc6 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+    acc7 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.int32)
+
+    w_ptrs = b_ptr + rn[:, None] * stride_bn + (t_start * BLOCK_KW + offs_k)[None, :]
+    for t in range(t_start, t_end):
+        k0 = t * BLOCK_KW
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=(k0 + offs_k)[None, :] < KW, other=0, eviction_policy="evict_first")
+        acc0 = _gemv_row(acc0, w, x0, k0, offs_k, KW, EVEN_K, USE_ASM)
+        if BLOCK_M > 1:
+            acc1 = _gemv_row(acc1, w, x1, k0, offs_k, KW, EVEN_K, USE_ASM)
+        if BLOCK_M > 2:
+            acc2 = _gemv_row(acc2, w, x2, k0, offs_k, KW, EVEN_K, USE_ASM)
+            acc3 = _gemv_row(acc3, w, x3, k0, offs_k, KW, EVEN_K, USE_ASM)
+        if BLOCK_M > 4:
+            acc4 = _gemv_row(acc4, w, x4, k0, offs_k, KW, EVEN_K, USE_ASM)
+            acc5 = _gemv_row(acc5, w, x5, k0, offs_k, KW, EVEN_K, USE_ASM)
+            acc6 = _gemv_row(acc6, w, x6, k0, offs_k, KW, EVEN_K, USE_ASM)
+            acc7 = _gemv_row(acc7, w, x7, k0, offs_k, KW, EVEN_K, USE_ASM)
+        w_ptrs += BLOCK_KW
+
+    s0 = tl.sum(acc0, axis=1)
+    s1 = tl.sum(acc1, axis=1)
+    s2 = tl.sum(acc2, axis=1)
+    s3 = tl.sum(acc3, axis=1)
+    s4 = tl.sum(acc4, axis=1)
+    s5 = tl.sum(acc5, axis=1)
+    s6 = tl.sum(acc6, axis=1)
+    s7 = tl.sum(acc7, axis=1)
+    if SPLIT_K > 1:
+        _gemv_add(s0, m0, M, offs_n, N, acc_ptr)
+        if BLOCK_M > 1:
+            _gemv_add(s1, m0 + 1, M, offs_n, N, acc_ptr)
+        if BLOCK_M > 2:
+            _gemv_add(s2, m0 + 2, M, offs_n, N, acc_ptr)
+            _gemv_add(s3, m0 + 3, M, offs_n, N, acc_ptr)
+        if BLOCK_M > 4:
+            _gemv_add(s4, m0 + 4, M, offs_n, N, acc_ptr)
+            _gemv_add(s5, m0 + 5, M, offs_n, N, acc_ptr)
+            _gemv_add(s6, m0 + 6, M, offs_n, N, acc_ptr)
+            _gemv_add(s7, m0 + 7, M, offs_n, N, acc_ptr)
+        tl.debug_barrier()  # every thread's atomics are issued before the counter moves
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            s0 = _gemv_take(m0, M, offs_n, N, acc_ptr)
+            _gemv_out(s0, m0, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            if BLOCK_M > 1:
+                s1 = _gemv_take(m0 + 1, M, offs_n, N, acc_ptr)
+                _gemv_out(s1, m0 + 1, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            if BLOCK_M > 2:
+                s2 = _gemv_take(m0 + 2, M, offs_n, N, acc_ptr)
+                _gemv_out(s2, m0 + 2, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+                s3 = _gemv_take(m0 + 3, M, offs_n, N, acc_ptr)
+                _gemv_out(s3, m0 + 3, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            if BLOCK_M > 4:
+                s4 = _gemv_take(m0 + 4, M, offs_n, N, acc_ptr)
+                _gemv_out(s4, m0 + 4, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+                s5 = _gemv_take(m0 + 5, M, offs_n, N, acc_ptr)
+                _gemv_out(s5, m0 + 5, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+                s6 = _gemv_take(m0 + 6, M, offs_n, N, acc_ptr)
+                _gemv_out(s6, m0 + 6, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+                s7 = _gemv_take(m0 + 7, M, offs_n, N, acc_ptr)
+                _gemv_out(s7, m0 + 7, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        _gemv_out(s0, m0, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+        if BLOCK_M > 1:
+            _gemv_out(s1, m0 + 1, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+        if BLOCK_M > 2:
+            _gemv_out(s2, m0 + 2, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            _gemv_out(s3, m0 + 3, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+        if BLOCK_M > 4:
+            _gemv_out(s4, m0 + 4, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            _gemv_out(s5, m0 + 5, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            _gemv_out(s6, m0 + 6, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+            _gemv_out(s7, m0 + 7, M, offs_n, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+
+
 # --- host side ----------------------------------------------------------------------------
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _locks = {}
+_gemv_acc = {}
+
+
+def _gemv_acc_buffer(device, n):
+    """Per-device int32 split-K sums of the gemv kernel, zero between launches (each launch re-zeroes its rows)."""
+    key = (device.type, device.index)
+    buf = _gemv_acc.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "int8_gemm: the split-K sum buffer must be allocated before CUDA-graph capture; "
+                "run one eager call of each shape first (warm-up)"
+            )
+        buf = torch.zeros(max(n, 1 << 18), dtype=torch.int32, device=device)
+        _gemv_acc[key] = buf
+    return buf
+
+
+def gemv_ok(x_q, w_q):
+    """The gemv kernel reads both operands as int32 words: K, the row strides and the offsets must allow it."""
+    k = x_q.shape[1]
+    return (k % 4 == 0 and x_q.stride(0) % 4 == 0 and w_q.stride(0) % 4 == 0
+            and x_q.storage_offset() % 4 == 0 and w_q.storage_offset() % 4 == 0
+            and (x_q.device.type != "cuda" or (x_q.data_ptr() % 4 == 0 and w_q.data_ptr() % 4 == 0)))
+
+
+def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
+    kw, bkw = k // 4, cfg.block_k // 4
+    x32 = x_q.view(torch.int32)
+    w32 = w_q.view(torch.int32)
+    split_k = max(1, min(cfg.split_k, triton.cdiv(kw, bkw)))
+    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
+    if split_k > 1:
+        acc = _gemv_acc_buffer(x_q.device, m * n)
+        locks = _lock_buffer(x_q.device, grid[0] * grid[2])
+    else:
+        acc = locks = x32  # unused
+    _int8_gemv_kernel[grid](
+        x32, x_scale, w32, w_scale, bias if bias is not None else w_scale, out, acc, locks,
+        m, n, kw,
+        x_q.stride(0) // 4, w_q.stride(0) // 4, out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw, SPLIT_K=split_k, EVEN_K=(kw % bkw == 0),
+        USE_ASM=x_q.device.type == "cuda",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )
+    return out
 
 
 def _lock_buffer(device, n):
@@ -187,6 +419,8 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     """int8_gemm with an explicit GemmConfig (tuning, tests) and an optional preallocated out [M, N]."""
     m, n, k = _check(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     cfg = config if config is not None else get_config(m, n, k)
+    if cfg.kernel == "gemv" and not gemv_ok(x_q, w_q):
+        cfg = dot_config(m, n, k)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:
@@ -196,6 +430,8 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     if k == 0:
         return out.copy_(
             (torch.zeros((m, n), device=x_q.device) + (bias.float() if bias is not None else 0.0)).to(out_dtype))
+    if cfg.kernel == "gemv":
+        return _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     if split_k > 1:

@@ -20,7 +20,7 @@ HOPPER_SMEM = 232448  # bytes of shared memory a block may use on sm_90
 def _gemm_jobs():
     from eightbit.kernels import gemm_configs as gc
 
-    jobs = set()
+    jobs = {(gc.GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), True), (gc.GemmConfig(8, 8, 512, 1, 2, 4, 1, "gemv"), False)}
     shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
     for (mb, n, k), cfg in gc.table_entries().items():
         jobs.add((cfg, k % cfg.block_k == 0))
@@ -35,9 +35,27 @@ def _compile_gemm(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from eightbit.kernels.int8_gemm import _int8_gemm_kernel
+    from eightbit.kernels.int8_gemm import _int8_gemm_kernel, _int8_gemv_kernel
 
     cfg, even_k = job
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
+    if cfg.kernel == "gemv":
+        fn = _int8_gemv_kernel
+        sig = {
+            "a_ptr": "*i32", "xs_ptr": "*fp32", "b_ptr": "*i32", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
+            "c_ptr": "*bf16", "acc_ptr": "*i32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "KW": "i32",
+            "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "constexpr",
+        }
+        consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True}
+        for name in consts:
+            sig[name] = "constexpr"
+        div16 = ["a_ptr", "xs_ptr", "b_ptr", "ws_ptr", "bias_ptr", "c_ptr", "acc_ptr", "lock_ptr",
+                 "N", "KW", "stride_am", "stride_bn", "stride_cm"]
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        return cfg.key(), even_k, k.metadata.shared, None
     fn = _int8_gemm_kernel
     sig = {
         "a_ptr": "*i8", "xs_ptr": "*fp32", "b_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
@@ -57,7 +75,6 @@ def _compile_gemm(job):
              "N", "K", "stride_am", "stride_bn", "stride_cm"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     return cfg.key(), even_k, k.metadata.shared, k.n_regs if hasattr(k, "n_regs") else None
 

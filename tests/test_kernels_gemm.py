@@ -65,6 +65,13 @@ SMALL_CONFIGS = [
     GemmConfig(64, 64, 128, group_m=8, split_k=2, num_warps=4, num_stages=2),
 ]
 SHAPES = [(1, 50, 100), (1, 64, 256), (17, 33, 96), (70, 96, 200), (33, 20, 32)]
+GEMV_CONFIGS = [  # block_m = activation rows per program; block_k in bytes (a multiple of 4)
+    GemmConfig(1, 16, 64, split_k=1, num_warps=4, num_stages=1, kernel="gemv"),
+    GemmConfig(2, 16, 32, split_k=3, num_warps=4, num_stages=1, kernel="gemv"),
+    GemmConfig(4, 32, 64, split_k=2, num_warps=4, num_stages=1, kernel="gemv"),
+    GemmConfig(8, 16, 128, split_k=4, num_warps=4, num_stages=1, kernel="gemv"),
+]
+GEMV_SHAPES = [(1, 50, 100), (3, 33, 96), (8, 40, 160), (11, 20, 64), (2, 64, 260)]
 
 
 def _check_gemm_exact(device, cfg, m, n, k, seed):
@@ -108,6 +115,39 @@ def _check_gemm_ref(device, cfg, m, n, k, seed, out_dtype, with_bias, exact):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_gemm_int32_exact_cpu(cfg, shape):
     _check_gemm_exact("cpu", cfg, *shape, seed=hash((cfg, shape)) % 1000)
+
+
+@cpu
+@pytest.mark.parametrize("cfg", GEMV_CONFIGS, ids=lambda c: f"gemv{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=str)
+def test_gemv_int32_exact_cpu(cfg, shape):
+    _check_gemm_exact("cpu", cfg, *shape, seed=hash((cfg, shape)) % 1000)
+
+
+@cpu
+@pytest.mark.parametrize("cfg", GEMV_CONFIGS[1:3], ids=lambda c: f"gemv{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_reference_cpu(cfg, with_bias):
+    _check_gemm_ref("cpu", cfg, 3, 40, 96, seed=5, out_dtype=torch.float16, with_bias=with_bias, exact=False)
+
+
+@cpu
+def test_gemv_split_k_buffers_reset_and_fallback_cpu():
+    from eightbit.kernels import int8_gemm as mod
+
+    cfg = GemmConfig(2, 16, 32, split_k=4, num_warps=4, num_stages=1, kernel="gemv")
+    g = _gen(12)
+    xq, wq = _int8((3, 160), g, "cpu"), _int8((40, 160), g, "cpu")
+    one_m, one_n = torch.ones(3, 1), torch.ones(40, 1)
+    a = int8_gemm_with_config(xq, one_m, wq, one_n, None, torch.float32, cfg)
+    b = int8_gemm_with_config(xq, one_m, wq, one_n, None, torch.float32, cfg)
+    assert torch.equal(a, b) and torch.equal(a, (xq.long() @ wq.long().t()).float())
+    assert int(mod._locks[("cpu", None)].abs().sum()) == 0
+    assert int(mod._gemv_acc[("cpu", None)].abs().sum()) == 0
+    # K not a multiple of 4 (or a misaligned view): the gemv config falls back to the dot kernel
+    for xk, wk in ((xq[:, :150], wq[:, :150]), (xq[:, 1:157], wq[:, 1:157])):
+        out = int8_gemm_with_config(xk, one_m, wk, one_n, None, torch.float32, cfg)
+        assert torch.equal(out, (xk.long() @ wk.long().t()).float())
 
 
 @cpu
@@ -169,11 +209,15 @@ def test_gemm_rejects_bad_inputs_cpu():
 def test_config_table_is_well_formed():
     for (mb, n, k), cfg in gemm_configs.table_entries().items():
         assert mb in gemm_configs.M_BUCKETS and n > 0 and k > 0
-        assert cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
-    assert gemm_configs.m_bucket(1) == 16 and gemm_configs.m_bucket(17) == 32
+        if cfg.kernel == "gemv":
+            assert cfg.block_m in (1, 2, 4, 8) and cfg.block_k % 16 == 0 and cfg.block_n >= 8
+        else:
+            assert cfg.kernel == "dot" and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
+    assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(3) == 4 and gemm_configs.m_bucket(17) == 32
     assert gemm_configs.m_bucket(100000) == gemm_configs.M_BUCKETS[-1]
-    for m in (1, 64, 65, 5000):
-        assert gemm_configs.get_config(m, 4096, 4096).block_k >= 32
+    for m in (1, 3, 8, 64, 65, 5000):
+        cfg = gemm_configs.get_config(m, 4096, 4096)
+        assert cfg.block_k >= 32 and (cfg.kernel == "dot" or m <= 8 * cfg.block_m)
 
 
 # --- the row kernels ----------------------------------------------------------------------
@@ -286,7 +330,9 @@ def test_gemm_gpu_table_shapes(nk, m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [SMALL_CONFIGS[1], GemmConfig(16, 64, 256, 1, 8, 4, 4), GemmConfig(128, 256, 128, 8, 1, 8, 3)],
+@pytest.mark.parametrize("cfg", [SMALL_CONFIGS[1], GemmConfig(16, 64, 256, 1, 8, 4, 4), GemmConfig(128, 256, 128, 8, 1, 8, 3),
+                                 GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), GemmConfig(4, 16, 256, 1, 3, 4, 1, "gemv"),
+                                 GemmConfig(8, 8, 512, 1, 1, 4, 1, "gemv")],
                          ids=lambda c: "x".join(map(str, c.key())))
 @pytest.mark.parametrize("shape", [(1, 50, 100), (33, 20, 32), (70, 96, 200), (64, 4096, 4096), (300, 1000, 1000)],
                          ids=str)
@@ -298,8 +344,9 @@ def test_gemm_gpu_configs(cfg, shape):
 
 @gpu
 @needs_cuda
-def test_gemm_gpu_split_k_deterministic():
-    cfg = GemmConfig(16, 32, 128, 1, 8, 4, 4)
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, 1, 8, 4, 4), GemmConfig(2, 16, 256, 1, 8, 4, 1, "gemv")],
+                         ids=lambda c: c.kernel)
+def test_gemm_gpu_split_k_deterministic(cfg):
     g = _gen(0)
     xq, wq = _int8((16, 14336), g, "cuda"), _int8((4096, 14336), g, "cuda")
     xs, ws = torch.rand(16, 1, device="cuda"), torch.rand(4096, 1, device="cuda")
@@ -336,9 +383,10 @@ def test_row_kernels_gpu(m, h):
 
 @gpu
 @needs_cuda
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("m", [1, 8])
+def test_cuda_graph_capture(m):
     g = _gen(1)
-    m, h, n = 8, 4096, 6144
+    h, n = 4096, 6144
     x = torch.randn(m, h, generator=g).cuda().bfloat16()
     w = torch.rand(h, generator=g).cuda().bfloat16() + 0.5
     wq = _int8((n, h), g, "cuda")
