@@ -213,9 +213,12 @@ def prefill_case(d, seq, kinds=("bf16", "int8"), sdpa=True, total_tokens=16384):
 # --- decode --------------------------------------------------------------------------------
 
 
-def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa=True):
+def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa=True, width=None, impls=None):
+    """width: block-table columns (the engine's graphs use max_model_len / 16; default ctx / 16).
+    impls: {name: decode_attention-like function} timed side by side (default {"ours": decode_attention})."""
     from eightbit.kernels.decode_attention import decode_attention, num_splits_for
 
+    impls = impls or {"ours": decode_attention}
     nb_seq = ctx // PAGE
     per_copy_bf16 = batch * ctx * kv_bytes_per_token(d, "bf16")
     copies = max(1, min(64, math.ceil(L2_ROTATE_BYTES / per_copy_bf16)))
@@ -224,19 +227,23 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
     ident = torch.arange(nblk, device="cuda", dtype=torch.int32).view(copies, batch, nb_seq)
     tables = {"paged": [perm[c].contiguous() for c in range(copies)],
               "contig": [ident[c].contiguous() for c in range(copies)]}
+    if width is not None and width > nb_seq:  # pad the tables to the engine's width (unused columns)
+        pad = torch.zeros(batch, width - nb_seq, device="cuda", dtype=torch.int32)
+        tables = {k: [torch.cat([t, pad], 1) for t in v] for k, v in tables.items()}
     sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, HQ, d, device="cuda", dtype=torch.bfloat16)
-    row = dict(batch=batch, ctx=ctx, copies=copies)
+    row = dict(batch=batch, ctx=ctx, copies=copies, width=tables["paged"][0].shape[1])
     for kind in kinds:
         caches = make_cache(nblk, d, kind)
         nbytes = batch * ctx * kv_bytes_per_token(d, kind) + batch * nb_seq * 4 + 2 * q.numel() * 2
         row[f"{kind}_bytes"] = nbytes
         row["splits"] = num_splits_for(q, caches[0], tables["paged"][0])
         for layout in ("paged", "contig") if contiguous else ("paged",):
-            fns = [lambda t=t: decode_attention(q, *caches, t, sl, d ** -0.5) for t in tables[layout]]
-            ms = time_graph(fns)
-            row[f"ours_{kind}_{layout}_ms"] = ms
-            row[f"ours_{kind}_{layout}_GBs"] = nbytes / ms / 1e6
+            for name, fn in impls.items():
+                fns = [lambda t=t, fn=fn: fn(q, *caches, t, sl, d ** -0.5) for t in tables[layout]]
+                ms = time_graph(fns)
+                row[f"{name}_{kind}_{layout}_ms"] = ms
+                row[f"{name}_{kind}_{layout}_GBs"] = nbytes / ms / 1e6
         del caches
         torch.cuda.empty_cache()
     if sdpa:
@@ -333,6 +340,9 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-ab", metavar="DIR",
+                    help="decode only: time this build against DIR/decode_attention.py (a package dir holding an "
+                         "older decode_attention.py + attention_configs.py), table width 512 (max_model_len 8192)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -352,6 +362,28 @@ def main():
     results["copy_GBs"] = bw
     print(f"device {props.name}, copy bandwidth {bw:.0f} GB/s (read+write)", flush=True)
     save()
+    if args.decode_ab:
+        import importlib
+        import sys as _sys
+
+        from eightbit.kernels.decode_attention import decode_attention
+
+        _sys.path.insert(0, os.path.dirname(os.path.abspath(args.decode_ab)))
+        old = importlib.import_module(os.path.basename(os.path.abspath(args.decode_ab)) + ".decode_attention")
+        impls = {"new": decode_attention, "old": old.decode_attention}
+        print("| batch | ctx | width | kind | old µs | new µs | old/new | new GB/s (% copy) | SDPA bf16 µs |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for bsz, ctx, width in ((1, 512, 512), (1, 2048, 512), (1, 8192, 512), (8, 512, 512), (32, 2048, 512),
+                                (64, 8192, None), (256, 2048, None), (1, 32768, None)):
+            r = decode_case(bsz, ctx, contiguous=False, width=width, impls=impls)
+            results["decode"].append(r)
+            save()
+            for kind in ("int8", "bf16"):
+                o, n = r[f"old_{kind}_paged_ms"] * 1e3, r[f"new_{kind}_paged_ms"] * 1e3
+                g = r[f"new_{kind}_paged_GBs"]
+                print(f"| {bsz} | {ctx} | {r['width']} | {kind} | {o:.1f} | {n:.1f} | {o / n:.2f} | {g:.0f} "
+                      f"({100 * g / bw:.0f}%) | {r.get('sdpa_bf16_ms', float('nan')) * 1e3:.1f} |", flush=True)
+        return
     if args.sweep:
         sweep(results, save)
     else:
