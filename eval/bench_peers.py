@@ -114,6 +114,8 @@ def quantize_bnb_int8(m, threshold=6.0):
         if lin.bias is not None:
             q.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
         q = q.to(device)
+        if q.weight.dtype != torch.int8:
+            raise RuntimeError(f"bitsandbytes did not quantize {name} (weight is {q.weight.dtype})")
         setattr(parent, leaf, q)
         del lin
     if device.type == "cuda":
