@@ -1,0 +1,212 @@
+"""`eightbit eval ppl` and `eightbit eval tasks`: every named configuration in one invocation.
+
+Wire into the top-level CLI with `add_eval_parser(subparsers)`. Results go to --out
+(ppl.json / ppl.md / ppl.png, tasks.json / tasks.md / tasks.png); the JSON is rewritten after
+every configuration, so an interrupted run keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+DEFAULT_OUT = "eval-results"
+
+
+def add_eval_parser(subparsers):
+    p = subparsers.add_parser("eval", help="perplexity and zero-shot tasks of eightbit configurations vs HF peers")
+    sub = p.add_subparsers(dest="eval_command", required=True)
+
+    def common(q):
+        q.add_argument("--configs", default="default",
+                       help="comma list of configurations and groups (default, engine, peers, kv-sweep, parity); "
+                            "see eightbit.eval.configs.CONFIGS")
+        q.add_argument("--model", default=None, help="float checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+        q.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+        q.add_argument("--data-dir", default=None, help="eval data (default: $EIGHTBIT_DATA, else <repo>/../shared/data)")
+        q.add_argument("--sq-checkpoint", default=None,
+                       help="SmoothQuant W8A8 checkpoint for the w8a8-sq configs; made with `eightbit quantize` "
+                            "if it does not exist (default: $EIGHTBIT_SQ_CHECKPOINT or ~/.cache/eightbit/eval/...)")
+        q.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="engine KV-cache size")
+        q.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON, markdown table and PNG chart")
+        q.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    q = sub.add_parser("ppl", help="WikiText-2 (raw, test) perplexity over non-overlapping windows")
+    common(q)
+    q.add_argument("--windows", "--limit", dest="windows", type=int, default=None,
+                   help="score only the first N windows (default: all)")
+    q.add_argument("--window-size", type=int, default=2048, help="tokens per window (capped at the model's max)")
+    q.set_defaults(func=run_ppl)
+
+    q = sub.add_parser("tasks", help="ARC-Easy, HellaSwag, LAMBADA (lm-eval-style log-likelihood scoring)")
+    common(q)
+    q.add_argument("--tasks", default="arc_easy,hellaswag,lambada")
+    q.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
+    q.set_defaults(func=run_tasks)
+    return p
+
+
+def _meta(args, extra) -> dict:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    machine = f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPU cores".strip()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        machine += f", {torch.cuda.get_device_name()}"
+    return {
+        "command": "eightbit " + " ".join(sys.argv[1:]) if sys.argv and "eightbit" in sys.argv[0] else " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "device": device,
+        "torch": torch.__version__,
+        **extra,
+    }
+
+
+def _scorers(args, configs):
+    """Yield (config, scorer or error string), building one model at a time and freeing it after use."""
+    from eightbit.eval.configs import build_scorer, default_sq_checkpoint_dir, ensure_sq_checkpoint
+    from eightbit.eval.peers import PeerNotRunnable
+
+    sq = None
+    if any(c.weights == "smoothquant" for c in configs):
+        sq = ensure_sq_checkpoint(args.sq_checkpoint or default_sq_checkpoint_dir(args.model), args.model,
+                                  progress=not args.no_progress)
+    for config in configs:
+        started = time.perf_counter()
+        try:
+            scorer = build_scorer(config, model=args.model, device=args.device, sq_checkpoint=sq,
+                                  kv_cache_memory_gb=args.kv_cache_memory_gb)
+        except PeerNotRunnable as e:
+            print(f"[eval] {config.name}: not runnable here: {e}", flush=True)
+            yield config, f"not runnable here: {e}", 0.0
+            continue
+        except Exception as e:
+            traceback.print_exc()
+            yield config, f"failed to load: {type(e).__name__}: {e}", 0.0
+            continue
+        yield config, scorer, time.perf_counter() - started
+        scorer.close()
+        del scorer
+
+
+def _row(config, scorer, load_seconds) -> dict:
+    return {"config": config.name, "backend": config.backend, "baseline": config.baseline,
+            "description": config.description, "weight_bytes": scorer.weight_bytes,
+            "kv_bytes_per_token": scorer.kv_bytes_per_token, "load_seconds": load_seconds, **scorer.info}
+
+
+def _error_row(config, error) -> dict:
+    return {"config": config.name, "backend": config.backend, "baseline": config.baseline,
+            "description": config.description, "error": error}
+
+
+def run_ppl(args) -> int:
+    from eightbit.eval import report
+    from eightbit.eval.configs import load_tokenizer, parse_configs, resolve_data_dir
+    from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
+    from eightbit.engine.weights import open_checkpoint
+
+    configs = parse_configs(args.configs)
+    data_dir = resolve_data_dir(args.data_dir)
+    text = wikitext_text(data_dir)
+    tokenizer = load_tokenizer(args.model)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    max_pos = open_checkpoint(args.model).config.max_position_embeddings
+    window = min(args.window_size, max_pos - 1)
+    windows = make_windows(ids, window, args.windows)
+    total_windows = len(make_windows(ids, window))
+    print(f"[eval] WikiText-2 test: {len(ids):,} tokens, {len(windows)} of {total_windows} windows of {window}",
+          flush=True)
+    out = Path(args.out)
+    meta = _meta(args, {"dataset": "wikitext-2-raw-v1 test", "tokens": len(ids), "window": window,
+                        "windows": len(windows), "total_windows": total_windows})
+    rows = []
+    for config, scorer, load_s in _scorers(args, configs):
+        if isinstance(scorer, str):
+            rows.append(_error_row(config, scorer))
+        else:
+            try:
+                row = _row(config, scorer, load_s)
+                row.update(evaluate_perplexity(scorer, windows, progress=not args.no_progress))
+                print(f"[eval] {config.name}: ppl {row['ppl']:.4f} ({row['seconds']:.0f} s)", flush=True)
+                rows.append(row)
+            except Exception as e:
+                traceback.print_exc()
+                rows.append(_error_row(config, f"{type(e).__name__}: {e}"))
+        report.write_json(out / "ppl.json", {"meta": meta, "rows": rows})
+    table = report.ppl_table(rows)
+    header = (f"WikiText-2 raw test, {len(windows)}/{total_windows} windows of {window} tokens "
+              f"({sum(r.get('scored_tokens', 0) for r in rows[:1]):,} scored tokens), {meta['machine']}, {meta['date']}")
+    (out / "ppl.md").write_text(header + "\n\n" + table + "\n")
+    chart = report.ppl_chart(rows, out / "ppl.png")
+    print("\n" + header + "\n\n" + table)
+    print(f"\n[eval] wrote {out / 'ppl.json'}, {out / 'ppl.md'}" + (f", {chart}" if chart else ""))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def run_tasks(args) -> int:
+    from eightbit.eval import report
+    from eightbit.eval.configs import load_tokenizer, parse_configs, resolve_data_dir
+    from eightbit.eval.tasks import TASKS, evaluate_task, load_task
+
+    configs = parse_configs(args.configs)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS)}")
+    data_dir = resolve_data_dir(args.data_dir)
+    items = {t: load_task(t, data_dir, args.limit) for t in tasks}
+    tokenizer = load_tokenizer(args.model)
+    print("[eval] " + ", ".join(f"{t}: {len(v)} items" for t, v in items.items()), flush=True)
+    out = Path(args.out)
+    meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}})
+    rows = []
+    for config, scorer, load_s in _scorers(args, configs):
+        if isinstance(scorer, str):
+            rows.append(_error_row(config, scorer))
+        else:
+            row = _row(config, scorer, load_s)
+            row["tasks"] = {}
+            for task in tasks:
+                try:
+                    res = evaluate_task(scorer, task, items[task], tokenizer, progress=not args.no_progress)
+                    row["tasks"][task] = res
+                    print(f"[eval] {config.name} {task}: acc {100 * res['acc']:.2f}"
+                          + (f", acc_norm {100 * res['acc_norm']:.2f}" if "acc_norm" in res else "")
+                          + f" ({res['seconds']:.0f} s)", flush=True)
+                except Exception as e:
+                    traceback.print_exc()
+                    row.setdefault("task_errors", {})[task] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+        report.write_json(out / "tasks.json", {"meta": meta, "rows": rows})
+    table = report.tasks_table(rows, tasks)
+    header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}"
+    (out / "tasks.md").write_text(header + "\n\n" + table + "\n")
+    chart = report.tasks_chart(rows, tasks, out / "tasks.png")
+    print("\n" + header + "\n\n" + table)
+    print(f"\n[eval] wrote {out / 'tasks.json'}, {out / 'tasks.md'}" + (f", {chart}" if chart else ""))
+    return 0 if all("error" not in r and "task_errors" not in r for r in rows) else 1
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (`python -m eightbit.eval.cli ppl ...`) until the lead wires it into `eightbit`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="eightbit")
+    add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["eval", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"eightbit eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Tables (markdown), JSON and PNG charts of eval results.
+
+A result row is a dict with at least "config", "backend", "baseline", "weight_bytes",
+"kv_bytes_per_token" and the metrics ("ppl" for perplexity; per task dicts for tasks).
+Rows that failed carry "error" instead of metrics and are listed as such.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def _fmt_bytes(n) -> str:
+    return "—" if n in (None, 0) else f"{n / 1e6:.1f} MB"
+
+
+def _fmt_pct(x, signed=True) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:+.2f}%" if signed else f"{x:.2f}%"
+
+
+def ppl_deltas(rows) -> dict:
+    """config -> Δ% of its perplexity vs its baseline row's (None when the baseline is missing)."""
+    by_name = {r["config"]: r for r in rows if "ppl" in r}
+    out = {}
+    for r in rows:
+        base = by_name.get(r.get("baseline"))
+        if "ppl" in r and base is not None:
+            out[r["config"]] = 100.0 * (r["ppl"] / base["ppl"] - 1.0)
+        else:
+            out[r["config"]] = None
+    return out
+
+
+def ppl_table(rows) -> str:
+    deltas = ppl_deltas(rows)
+    lines = [
+        "| config | backend | ppl | Δ% vs baseline | baseline | weight bytes | KV bytes/token | windows | tokens | s |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['backend']} | {r['error']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['config']} | {r['backend']} | {r['ppl']:.4f} | {_fmt_pct(deltas[r['config']])} | {r['baseline']} "
+            f"| {_fmt_bytes(r.get('weight_bytes'))} | {r.get('kv_bytes_per_token', 0):,.0f} | {r['windows']} "
+            f"| {r['scored_tokens']:,} | {r.get('seconds', 0):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def task_deltas(rows, task, metric) -> dict:
+    """config -> paired (diff, stderr) in points of `metric` vs the baseline row, on the same items."""
+    from eightbit.eval.tasks import paired_difference
+
+    by_name = {r["config"]: r for r in rows if task in r.get("tasks", {})}
+    out = {}
+    for r in rows:
+        mine, base = by_name.get(r["config"]), by_name.get(r.get("baseline"))
+        if mine is None or base is None:
+            continue
+        a = mine["tasks"][task]["outcomes"].get(metric)
+        b = base["tasks"][task]["outcomes"].get(metric)
+        if a is None or b is None or len(a) != len(b):
+            continue
+        d = paired_difference(a, b)
+        out[r["config"]] = {"diff": 100 * d["diff"], "stderr": 100 * d["stderr"]}
+    return out
+
+
+def tasks_table(rows, tasks) -> str:
+    cols = []
+    for task in tasks:
+        cols += [(task, "acc")] + ([] if task == "lambada" else [(task, "acc_norm")])
+    header = "| config | backend | " + " | ".join(f"{t} {m} (Δ ± paired se)" for t, m in cols) + " |"
+    lines = [header, "| --- | --- |" + " ---: |" * len(cols)]
+    deltas = {(t, m): task_deltas(rows, t, m) for t, m in cols}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['backend']} | {r['error']} |" + " |" * (len(cols) - 1))
+            continue
+        cells = []
+        for t, m in cols:
+            res = r.get("tasks", {}).get(t)
+            if res is None or m not in res:
+                cells.append("—")
+                continue
+            cell = f"{100 * res[m]:.2f}"
+            d = deltas[(t, m)].get(r["config"])
+            if d is not None and r["config"] != r.get("baseline"):
+                cell += f" ({d['diff']:+.2f} ± {d['stderr']:.2f})"
+            cells.append(cell)
+        lines.append(f"| {r['config']} | {r['backend']} | " + " | ".join(cells) + " |")
+    sizes = []
+    for t in tasks:
+        n = next((r["tasks"][t]["items"] for r in rows if t in r.get("tasks", {})), None)
+        if n is not None:
+            sizes.append(f"{t}: {n} items")
+    return "\n".join(lines) + ("\n\n" + ", ".join(sizes) if sizes else "")
+
+
+def write_json(path, payload) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
+def ppl_chart(rows, path, title="WikiText-2 perplexity") -> Path | None:
+    """Bar chart of Δ% vs baseline, and ppl vs KV bytes/token for the int8-KV group sweep if present."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in rows if "ppl" in r]
+    if not good:
+        return None
+    deltas = ppl_deltas(good)
+    sweep = sorted((r for r in good if r["config"].startswith("kv8-g")), key=lambda r: r["kv_bytes_per_token"])
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    names = [r["config"] for r in good]
+    values = [deltas[n] if deltas[n] is not None else 0.0 for n in names]
+    colors = ["tab:blue" if r["backend"] == "engine" else "tab:gray" for r in good]
+    ax.barh(names, values, color=colors)
+    for i, (v, r) in enumerate(zip(values, good)):
+        ax.text(v, i, f" {v:+.2f}% (ppl {r['ppl']:.3f})", va="center", fontsize=8)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("Δ perplexity vs baseline (%)  [blue: eightbit, gray: HF peers]")
+    ax.set_title(title)
+    if sweep:
+        ax2 = axes[0][1]
+        x = [r["kv_bytes_per_token"] for r in sweep]
+        y = [r["ppl"] for r in sweep]
+        ax2.plot(x, y, "o-")
+        for r in sweep:
+            ax2.annotate(r["config"].replace("kv8-", ""), (r["kv_bytes_per_token"], r["ppl"]),
+                         textcoords="offset points", xytext=(4, 4), fontsize=8)
+        base = next((r for r in good if r["config"] == "bf16"), None)
+        if base is not None:
+            ax2.axhline(base["ppl"], color="gray", linestyle="--", label=f"bf16 KV ({base['kv_bytes_per_token']:,.0f} B/token)")
+            ax2.legend(fontsize=8)
+        ax2.set_xlabel("KV bytes per token")
+        ax2.set_ylabel("perplexity")
+        ax2.set_title("int8 KV: group size sweep")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tasks_chart(rows, tasks, path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in rows if r.get("tasks")]
+    if not good:
+        return None
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        metric = "acc" if task == "lambada" else "acc_norm"
+        have = [r for r in good if task in r["tasks"]]
+        names = [r["config"] for r in have]
+        vals = [100 * r["tasks"][task][metric] for r in have]
+        errs = [100 * r["tasks"][task].get(f"{metric}_stderr", 0) for r in have]
+        colors = ["tab:blue" if r["backend"] == "engine" else "tab:gray" for r in have]
+        ax.barh(names, vals, xerr=errs, color=colors)
+        ax.invert_yaxis()
+        lo = min(vals) - 5 if vals else 0
+        ax.set_xlim(max(0, lo), max(vals) + 3 if vals else 100)
+        ax.set_title(f"{task} {metric} (%)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
