@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eightbit.quant.int8 import dequantize, quantize_per_channel, quantize_per_token
+from eightbit.quant.int8 import quantize_per_channel, quantize_per_token
 
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
 S_MIN, S_MAX = 1e-5, 1e5
@@ -67,9 +67,15 @@ def _expand_groups(s_kv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tor
     return s_kv.view(num_kv_heads, 1, d).expand(num_kv_heads, num_heads // num_kv_heads, d).flatten()
 
 
-def point_factors(point, weights, act_absmax, alpha, num_heads, num_kv_heads):
+def weight_absmax(weights) -> torch.Tensor:
+    """Per input channel absmax over the rows of all the consumers' weights."""
+    return torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
+
+
+def point_factors(point, weights, act_absmax, alpha, num_heads, num_kv_heads, w_absmax=None):
     """(s for the consumers' input channels [K], s for the producer [K or Hkv*D])."""
-    w_absmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
+    if w_absmax is None:
+        w_absmax = weight_absmax(weights)
     if not point.grouped:
         s = smoothing_factors(act_absmax, w_absmax, alpha)
         return s, s
@@ -83,33 +89,49 @@ def fake_w8a8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [n, K] @ w [N, K]^T with x per-token and w per-channel int8, simulated in float32."""
     xq, xs = quantize_per_token(x)
     wq, ws = quantize_per_channel(w)
-    return dequantize(xq, xs) @ dequantize(wq, ws).t()
+    return (xq.float() @ wq.float().t()).mul_(xs).mul_(ws.view(1, -1))
+
+
+class W8A8Error:
+    """Sum over consumers of ||W8A8 output - float output||^2 / ||float output||^2 on samples x.
+
+    The float reference and the concatenated weights are computed once; each call with
+    factors s (None: no smoothing) quantizes x / s per token and W * s per channel."""
+
+    def __init__(self, x: torch.Tensor, weights: list):
+        self.x = x.float()
+        self.w = torch.cat([wi.float() for wi in weights])
+        ref = self.x @ self.w.t()
+        self.bounds = []
+        start = 0
+        for wi in weights:
+            stop = start + wi.shape[0]
+            self.bounds.append((start, stop, ref[:, start:stop].pow(2).sum().clamp(min=1e-30).item()))
+            start = stop
+        self.ref = ref
+
+    def __call__(self, s: torch.Tensor | None = None) -> float:
+        out = fake_w8a8(self.x, self.w) if s is None else fake_w8a8(self.x / s, self.w * s)
+        diff = out.sub_(self.ref).pow_(2)
+        return sum(diff[:, a:b].sum().item() / norm for a, b, norm in self.bounds)
 
 
 def w8a8_error(x: torch.Tensor, weights: list, s: torch.Tensor | None = None) -> float:
-    """Sum over consumers of ||W8A8 output - float output||^2 / ||float output||^2, smoothing by s."""
-    x = x.float()
-    w = torch.cat([wi.float() for wi in weights])
-    ref = x @ w.t()
-    out = fake_w8a8(x, w) if s is None else fake_w8a8(x / s, w * s)
-    err, start = 0.0, 0
-    for wi in weights:
-        stop = start + wi.shape[0]
-        r = ref[:, start:stop]
-        err += ((out[:, start:stop] - r).pow(2).sum() / r.pow(2).sum().clamp(min=1e-30)).item()
-        start = stop
-    return err
+    """W8A8Error(x, weights)(s), for one-off use."""
+    return W8A8Error(x, weights)(s)
 
 
 def choose_alpha(point, weights, act_absmax, samples, alphas, num_heads, num_kv_heads):
     """Try each alpha (None = no smoothing) on the samples; return (alpha, error, error unsmoothed)."""
-    base = w8a8_error(samples, weights)
+    error = W8A8Error(samples, weights)
+    w_absmax = weight_absmax(weights)
+    base = error()
     best_alpha, best_err = None, base
     for alpha in alphas:
         if alpha is None:
             continue
-        s, _ = point_factors(point, weights, act_absmax, alpha, num_heads, num_kv_heads)
-        err = w8a8_error(samples, weights, s)
+        s, _ = point_factors(point, weights, act_absmax, alpha, num_heads, num_kv_heads, w_absmax)
+        err = error(s)
         if err < best_err:
             best_alpha, best_err = alpha, err
     return best_alpha, best_err, base
@@ -156,7 +178,8 @@ def smooth_layer(layer, stats, alpha, num_heads: int, num_kv_heads: int) -> dict
         else:  # a fixed alpha is applied even where it measures worse
             chosen = alphas[0]
             s, _ = point_factors(point, weights, act, chosen, num_heads, num_kv_heads)
-            err, base = w8a8_error(samples, weights, s), w8a8_error(samples, weights)
+            error = W8A8Error(samples, weights)
+            err, base = error(s), error()
         if chosen is not None:
             s_in, s_prod = point_factors(point, weights, act, chosen, num_heads, num_kv_heads)
             fold(layer, point, s_in, s_prod)

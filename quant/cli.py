@@ -142,11 +142,15 @@ def run_quantize(args) -> int:
     except QuantizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _report(out, summary)
+    return 0
+
+
+def _report(out, summary) -> None:
     errs, base = summary["mean_error"], summary["mean_error_unsmoothed"]
     print(f"wrote {out}")
     print("mean W8A8 relative error per smoothing point (unsmoothed -> smoothed): "
           + ", ".join(f"{p} {base[p]:.2e} -> {errs[p]:.2e}" for p in errs))
-    return 0
 
 
 def main(argv=None) -> int:  # python -m eightbit.quant.cli

@@ -1,0 +1,56 @@
+"""The argparse front of `eightbit quantize`."""
+
+import argparse
+import json
+
+import pytest
+
+from eightbit.quant import cli
+from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer, tiny_text
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="eightbit")
+    cli.add_quantize_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["quantize", *argv])
+
+
+def test_defaults():
+    a = parse(["src", "out"])
+    assert (a.src, a.out, a.calib_data, a.alpha, a.kv_group_size, a.overwrite) == ("src", "out", None, "auto", 32,
+                                                                                    False)
+    assert (a.num_samples, a.seq_len) == (cli.DEFAULT_NUM_SAMPLES, cli.DEFAULT_SEQ_LEN)
+    assert a.func is cli.run_quantize
+
+
+def test_help_documents_the_calibration_default(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    text = capsys.readouterr().out
+    assert "--calib-data" in text and "wiki.valid.raw" in text and "EIGHTBIT_CALIB_DATA" in text
+
+
+def test_one_path_is_out_for_the_embedded_model(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(cli, "quantize", lambda src, out, **kw: seen.update(src=src, out=out) or {})
+    monkeypatch.setattr(cli, "_report", lambda out, summary: None)
+    assert cli.run_quantize(parse([str(tmp_path / "new")])) == 0
+    assert seen == {"src": None, "out": str(tmp_path / "new")}
+    assert cli.run_quantize(parse([str(tmp_path)])) == 2  # exists: it is a SRC, OUT is missing
+
+
+def test_run_end_to_end_and_errors(tmp_path, capsys):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
+            "--alpha", "0.5", "--kv-group-size", "16", "--no-progress"]
+    assert cli.run_quantize(parse(argv)) == 0
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    ours = cfg["quantization_config"]["eightbit"]
+    assert ours["kv_cache"]["group_size"] == 16 and ours["calibration"]["alpha"] == 0.5
+    assert "wrote" in capsys.readouterr().out
+    assert cli.run_quantize(parse(argv)) == 2  # exists
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli.run_quantize(parse(argv + ["--overwrite", "--kv-group-size", "24"])) == 2
+    assert "group size 24" in capsys.readouterr().err
