@@ -1,0 +1,440 @@
+"""The OpenAI-compatible server, end to end over loopback HTTP with the official `openai` client.
+
+One server per session (uvicorn in a background thread, port picked by the OS) on the embedded
+SmolLM2-135M-Instruct, float32 on the CPU; the offline `LLM` in the same process is the reference
+for greedy outputs.
+"""
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from eightbit import LLM, SamplingParams  # noqa: E402
+from eightbit.engine.server.cli import EMBEDDED_MODEL_NAME, BackgroundServer  # noqa: E402
+
+ENGINE_OPTIONS = dict(dtype="float32", device="cpu", max_model_len=2048, kv_cache_memory_gb=0.25)
+MODEL = EMBEDDED_MODEL_NAME
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):",
+           "The quick brown fox"]
+
+
+@pytest.fixture(scope="session")
+def offline():
+    return LLM(**ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def server():
+    from eightbit import EngineConfig, LLMEngine
+
+    srv = BackgroundServer(LLMEngine(EngineConfig(model=None, **ENGINE_OPTIONS))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(server) -> dict:
+    out = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_idle(server, timeout=10.0) -> dict:
+    """Poll /metrics until no request runs or waits and every KV block is back in the pool."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = (m["eightbit_num_requests_running"] == 0 and m["eightbit_num_requests_waiting"] == 0
+                and m["eightbit_kv_cache_blocks_used"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def post(server, path, body, **kw):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    kw.setdefault("timeout", 120)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, **kw)
+
+
+def parallel(*calls):
+    """Run the zero-argument callables at once (their requests share engine steps); results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def greedy(max_tokens=16, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+# --- basics ---------------------------------------------------------------------------------------
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "generation_tokens_total",
+                 "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count",
+                 "engine_loop_outside_model_ratio"):
+        assert f"eightbit_{name}" in text
+
+
+def test_completions_greedy_equal_offline(server, client, offline):
+    ref = offline.generate(PROMPTS, greedy(), use_tqdm=False)
+    tok = offline.get_tokenizer()
+    outs = parallel(*(lambda p=p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0)
+                      for p in PROMPTS))
+    for prompt, r, out in zip(PROMPTS, ref, outs):
+        c = out.choices[0]
+        assert c.text == r.outputs[0].text
+        assert c.finish_reason == r.outputs[0].finish_reason
+        assert out.usage.prompt_tokens == len(tok(prompt).input_ids)
+        assert out.usage.completion_tokens == len(r.outputs[0].token_ids)
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+        assert out.object == "text_completion" and out.model == MODEL
+
+
+def test_completions_batch_prompt_and_token_ids(client, offline):
+    ref = offline.generate(PROMPTS[:3], greedy(8), use_tqdm=False)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [r.outputs[0].text for r in ref]
+    ids = offline.get_tokenizer()(PROMPTS[0]).input_ids
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert out.choices[0].text == ref[0].outputs[0].text
+    assert out.usage.prompt_tokens == len(ids)
+
+
+def test_completions_stream(server, client, offline):
+    ref = offline.generate(PROMPTS[:2], greedy(), use_tqdm=False)
+    streams = parallel(*(lambda p=p: list(client.completions.create(
+        model=MODEL, prompt=p, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}))
+        for p in PROMPTS[:2]))
+    for r, chunks in zip(ref, streams):
+        texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        assert "".join(texts) == r.outputs[0].text
+        assert len([t for t in texts if t]) > 1  # it really streamed
+        finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert finals == [r.outputs[0].finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(r.outputs[0].token_ids)
+        assert all(ch.usage is None for ch in chunks[:-1])
+    # the raw SSE framing: data: lines, ending with [DONE]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_chat_equal_offline_stream_and_not(client, offline):
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "You are terse."},
+                      {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]]
+    for messages in conversations:
+        offline_messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                             else m["content"][0]["text"]} for m in messages]
+        r = offline.chat(offline_messages, greedy(24), use_tqdm=False)[0]
+        kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        out, chunks = parallel(lambda: client.chat.completions.create(**kw), lambda: list(
+            client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)))
+        assert out.choices[0].message.content == r.outputs[0].text
+        assert out.choices[0].message.role == "assistant"
+        assert out.choices[0].finish_reason == r.outputs[0].finish_reason
+        assert out.usage.prompt_tokens == len(r.prompt_token_ids)
+        assert out.usage.completion_tokens == len(r.outputs[0].token_ids)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.outputs[0].text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+            r.outputs[0].finish_reason]
+        assert chunks[-1].object == "chat.completion.chunk"
+        assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+
+
+# --- sampling parameters ----------------------------------------------------------------------------
+
+
+def test_n_and_seed_reproducible(client):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, n=3)
+    a, b, c, ids, chunks = parallel(
+        lambda: client.completions.create(seed=1234, **kw),
+        lambda: client.completions.create(seed=1234, **kw),
+        lambda: client.completions.create(seed=99, **kw),
+        lambda: client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, n=3, seed=5,
+                                          extra_body={"ignore_eos": True}),
+        lambda: list(client.completions.create(seed=1234, stream=True, **kw)))
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    assert len({ch.text for ch in a.choices}) > 1  # the n samples differ from one another
+    assert [ch.text for ch in a.choices] != [ch.text for ch in c.choices]
+    assert ids.usage.completion_tokens == 3 * 12  # every choice counts
+    assert ids.usage.prompt_tokens == a.usage.prompt_tokens < 12  # the prompt counts once
+    # streamed n > 1 gives the same samples, each choice's deltas joined
+    joined = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            joined[choice.index] = joined.get(choice.index, "") + choice.text
+    assert [joined[i] for i in range(3)] == [ch.text for ch in a.choices]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, n=2,
+              temperature=1.0, seed=7, logprobs=True)
+    chat, again = parallel(lambda: client.chat.completions.create(**kw), lambda: client.chat.completions.create(**kw))
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert [c.message.content for c in chat.choices] == [c.message.content for c in again.choices]
+    assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+
+
+def test_stop_strings_and_max_tokens(client, offline):
+    prompt = PROMPTS[1]  # "1, 2, 3, 4," continues with numbers and commas
+    full = offline.generate(prompt, greedy(16), use_tqdm=False)[0].outputs[0].text
+    stop = full.strip()[1:3] if len(full.strip()) > 3 else full.strip()[:1]
+    ref = offline.generate(prompt, greedy(16, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop"
+    story = [{"role": "user", "content": "Tell me a story."}]
+    out, chunks, short, chat = parallel(
+        lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop]),
+        lambda: list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=stop,
+                                               stream=True)),
+        lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True}),
+        lambda: client.chat.completions.create(model=MODEL, messages=story, max_completion_tokens=5, temperature=0))
+    assert out.choices[0].text == ref.text and stop not in out.choices[0].text
+    assert out.choices[0].finish_reason == "stop"
+    assert "".join(ch.choices[0].text for ch in chunks) == ref.text
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+
+
+def test_logprobs(client, offline):
+    prompt = PROMPTS[0]
+    ref = offline.generate(prompt, greedy(6, logprobs=2), use_tqdm=False)[0].outputs[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref.token_ids)
+    for got, tid, entry in zip(lp.token_logprobs, ref.token_ids, ref.logprobs):
+        assert got == pytest.approx(entry[tid], abs=1e-4)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)  # greedy: the top token
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+])
+def test_bad_input_openai_error(server, path, body, status, param):
+    resp = post(server, path, body)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["param"] == param
+
+
+def test_prompt_longer_than_context(server, client):
+    long_prompt = "hello " * 2100
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 4})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    resp = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    # the server keeps serving
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    assert httpx.get(server.url + "/v1/nothing-here").json()["error"]["type"] == "not_found_error"
+
+
+# --- disconnects and overload -------------------------------------------------------------------
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server):
+    assert wait_idle(server)["eightbit_kv_cache_blocks_used"] == 0
+    aborted_before = metrics(server).get('eightbit_request_success_total{finish_reason="abort"}', 0)
+    body = {"model": MODEL, "prompt": "Write a very long essay about the sea.", "max_tokens": 1500,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        running = metrics(server)
+        assert running["eightbit_num_requests_running"] == 1 and running["eightbit_kv_cache_blocks_used"] > 0
+    # the connection is closed mid-stream: the request is aborted and its blocks go back to the pool
+    idle = wait_idle(server)
+    assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
+    assert not server.async_engine.engine.requests
+    generated = idle["eightbit_generation_tokens_total"]
+    time.sleep(0.3)
+    assert metrics(server)["eightbit_generation_tokens_total"] == generated  # nothing runs on in the dark
+
+
+def test_non_stream_disconnect_aborts(server):
+    wait_idle(server)
+    body = {"model": MODEL, "prompt": "Write a very long essay about mountains.", "max_tokens": 1500,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", body, timeout=httpx.Timeout(60, read=1.0))
+    idle = wait_idle(server)
+    assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
+    assert not server.async_engine.engine.requests
+
+
+def test_overload_503_with_retry_after_then_served(server, offline):
+    state = server.app.state.server
+    ref = offline.generate(PROMPTS, greedy(4), use_tqdm=False)
+    state.max_queue = 0
+    try:
+        resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["type"] == "server_overloaded"
+        state.max_queue = 2
+
+        async def one(http, i):
+            body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 4, "temperature": 0}
+            statuses = []
+            while True:  # a client honouring Retry-After (shortened) gets served eventually
+                r = await http.post("/v1/completions", json=body)
+                statuses.append(r.status_code)
+                if r.status_code != 503:
+                    return statuses, r
+                await asyncio.sleep(0.05)
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                return await asyncio.gather(*(one(http, i) for i in range(16)))
+
+        results = asyncio.run(burst())
+    finally:
+        state.max_queue = None
+    assert sum(s.count(503) for s, _ in results) >= 1
+    for i, (statuses, r) in enumerate(results):
+        assert set(statuses) <= {200, 503} and r.status_code == 200
+        assert r.json()["choices"][0]["text"] == ref[i % len(PROMPTS)].outputs[0].text
+    assert wait_idle(server)["eightbit_kv_cache_blocks_used"] == 0
+
+
+# --- load -----------------------------------------------------------------------------------------
+
+LOAD_REQUESTS = 300
+LOAD_CONCURRENCY = 32
+LOAD_MAX_TOKENS = 8
+SUBJECTS = ["cats", "the moon", "Paris", "rivers", "music", "bread", "trains", "winter", "robots", "gardens",
+            "the ocean", "chess", "coffee", "volcanoes", "birds"]
+TEMPLATES = ["Tell me about {}.", "A short fact about {}:", "{} are", "My opinion of {} is"]
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def test_load_300_requests_concurrency_32(server, offline):
+    """Streams LOAD_REQUESTS greedy completions, LOAD_CONCURRENCY at a time: none lost, all equal offline."""
+    prompts = [t.format(s) for t in TEMPLATES for s in SUBJECTS]  # 60 distinct prompts
+    ref = {p: r.outputs[0].text for p, r in
+           zip(prompts, offline.generate(prompts, greedy(LOAD_MAX_TOKENS), use_tqdm=False))}
+    before = metrics(server)
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    sem = asyncio.Semaphore(LOAD_CONCURRENCY)
+
+    async def one(i):
+        prompt = prompts[i % len(prompts)]
+        async with sem:
+            t0 = time.perf_counter()
+            first = last = None
+            text, usage = [], None
+            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=LOAD_MAX_TOKENS,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True})
+            async for ch in stream:
+                if ch.choices:  # a chunk comes with new text or with the finish reason
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(ch.choices[0].text)
+                if ch.usage is not None:
+                    usage = ch.usage
+            return prompt, "".join(text), usage, t0, first, last
+
+    async def run_all():
+        t = time.perf_counter()
+        out = await asyncio.gather(*(one(i) for i in range(LOAD_REQUESTS)), return_exceptions=True)
+        await aclient.close()
+        return out, time.perf_counter() - t
+
+    results, wall = asyncio.run(run_all())
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert not failures, failures[:3]
+    assert len(results) == LOAD_REQUESTS
+    mismatches = [(p, got, ref[p]) for p, got, *_ in results if got != ref[p]]
+    assert not mismatches, mismatches[:3]
+    ttft = [first - t0 for _, _, _, t0, first, _ in results]
+    tpot = [(last - first) / (u.completion_tokens - 1) for _, _, u, _, first, last in results
+            if u.completion_tokens > 1]
+    tokens = sum(u.completion_tokens for _, _, u, *_ in results)
+    after = wait_idle(server)
+    assert after["eightbit_kv_cache_blocks_used"] == 0
+    assert after["eightbit_time_to_first_token_seconds_count"] - before["eightbit_time_to_first_token_seconds_count"] \
+        == LOAD_REQUESTS
+    assert after["eightbit_generation_tokens_total"] - before["eightbit_generation_tokens_total"] == tokens
+    print(f"\nload: {LOAD_REQUESTS} requests at concurrency {LOAD_CONCURRENCY}, max_tokens {LOAD_MAX_TOKENS}: "
+          f"{wall:.1f} s, {LOAD_REQUESTS / wall:.1f} req/s, {tokens / wall:.1f} output tok/s; "
+          f"TTFT p50 {statistics.median(ttft) * 1e3:.0f} ms p99 {percentile(ttft, 99) * 1e3:.0f} ms; "
+          f"TPOT p50 {statistics.median(tpot) * 1e3:.0f} ms p99 {percentile(tpot, 99) * 1e3:.0f} ms; "
+          f"loop time outside the model {after['eightbit_engine_loop_outside_model_ratio']:.1%} "
+          f"(detokenize {after['eightbit_engine_detokenize_seconds_total']:.2f} s of "
+          f"{after['eightbit_engine_loop_busy_seconds_total']:.2f} s busy)")
+
+
+def test_engine_loop_thread_does_the_engine_work(server):
+    """Handlers never touch the engine: only the loop thread (and tokenizer workers) exist besides uvicorn."""
+    names = {t.name for t in threading.enumerate()}
+    assert "eightbit-engine-loop" in names
+    assert any(n.startswith("eightbit-tokenizer") for n in names)
