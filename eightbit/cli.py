@@ -59,9 +59,11 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="eightbit", description="int8 LLM inference: generate, quantize, eval")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    from eightbit.eval.bench_cli import add_bench_parser
     from eightbit.quant.cli import add_quantize_parser
 
     add_quantize_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

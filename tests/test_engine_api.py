@@ -1,0 +1,147 @@
+"""The engine's API on the embedded SmolLM2 (float32, CPU): seeds, n > 1, streaming, stops, errors, aborts."""
+
+import pytest
+import torch
+
+from eightbit import LLM, SamplingParams
+from eightbit.cli import main as cli_main
+
+PROMPTS = ["Tell me about the ocean.", "My favourite food is", "Write a short poem about", "1, 2, 3,"]
+
+
+def texts(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seeded_sample_is_the_same_alone_or_in_a_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12)
+    alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.9, max_tokens=12)
+    batch = llm.generate(PROMPTS, [seeded, others, others, others], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    again = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_parallel_samples_share_the_prompt_and_equal_independent_runs(llm):
+    """n = 3 forks after one prefill (copy-on-write of the shared last block); sample j is seeded
+    with seed + j, so it must equal an independent n = 1 request with that seed."""
+    prompt = PROMPTS[2] + " the sea"  # not a multiple of the block size: the last block is shared
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    singles = [llm.generate([prompt], SamplingParams(temperature=1.0, seed=7 + j, max_tokens=10),
+                            use_tqdm=False)[0].outputs[0].token_ids for j in range(3)]
+    assert [c.token_ids for c in out.outputs] == singles
+    assert len({tuple(s) for s in singles}) > 1
+    assert llm.engine.block_manager.num_used_blocks == 0  # every fork freed its blocks
+
+
+def test_stream_deltas_join_to_the_final_text_and_stop_strings_are_cut(llm):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    final = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    deltas = [out.outputs[0].delta for _, out in llm.stream(PROMPTS[0], params)]
+    assert "".join(deltas) == final.text
+    assert final.text == llm.get_tokenizer().decode(final.token_ids, skip_special_tokens=True)
+    words = final.text.split()
+    stop = words[len(words) // 2]
+    stopped = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == final.text[: final.text.index(stop)]
+
+
+def test_stop_token_ids_and_length(llm):
+    free = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    target = free.token_ids[3]
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[target]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("x" * 50000, "leaves no room"),
+    ("", "empty"),
+    ([], "no prompts"),
+    ([[]], "empty"),
+    ([[1, 2, 10**6]], "outside the vocabulary"),
+    ([[1, -3]], "outside the vocabulary"),
+])
+def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, bad, message):
+    engine = llm.engine
+    engine.add_request("keep-going", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(ValueError, match=message):
+        llm.generate(bad, use_tqdm=False)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["keep-going"]
+    assert len(finished[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("top_k", -5), ("max_tokens", 0),
+                                          ("n", 0), ("min_p", 2)])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    engine.add_request("long", PROMPTS[0] * 20, SamplingParams(max_tokens=100))
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    engine.abort("long")
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_priority_runs_first_when_only_one_fits(make_llm):
+    llm = make_llm(max_num_seqs=1)
+    engine = llm.engine
+    engine.add_request("low", PROMPTS[0], SamplingParams(temperature=0, max_tokens=2), priority=5)
+    engine.add_request("high", PROMPTS[1], SamplingParams(temperature=0, max_tokens=2), priority=-1)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+def test_kv_cache_too_small_for_max_model_len_is_a_clear_error(make_llm):
+    with pytest.raises(ValueError, match="fewer than one max_model_len"):
+        make_llm(max_model_len=2048, num_kv_blocks=10)
+
+
+def test_int8_paths_stay_close_to_float(make_llm, llm):
+    """W8A8 (round-to-nearest on load) and the int8 KV cache: prompt log-probs near the float32 ones."""
+    ids = llm.get_tokenizer()(" ".join(PROMPTS) * 4).input_ids
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    ref = torch.tensor([e[t] for e, t in zip(llm.generate([ids], params, use_tqdm=False)[0].prompt_logprobs[1:],
+                                              ids[1:])])
+    for options in (dict(kv_cache_dtype="int8"), dict(quantization="w8a8", kv_cache_dtype="int8")):
+        int8 = make_llm(**options)
+        lps = int8.generate([ids], params, use_tqdm=False)[0].prompt_logprobs[1:]
+        got = torch.tensor([e[t] for e, t in zip(lps, ids[1:])])
+        assert (got - ref).abs().mean() < 0.15, options
+        assert not torch.equal(got, ref), "the int8 path must actually run"
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=5),
+                   use_tqdm=False)[0]
+    assert out.prompt.startswith("<|im_start|>") and out.prompt.rstrip().endswith("assistant")
+
+
+def test_cli_generate_streams_text(capsys):
+    code = cli_main(["generate", "--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
+                     "--max-tokens", "6", "The capital of France is"])
+    assert code == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_reports_bad_input_without_a_traceback(capsys):
+    code = cli_main(["generate", "--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
+                     "--model", "/nonexistent/dir", "hi"])
+    assert code == 2
+    assert "no such model path" in capsys.readouterr().err
