@@ -429,8 +429,11 @@ def test_load_300_requests_concurrency_32(server, offline):
           f"TTFT p50 {statistics.median(ttft) * 1e3:.0f} ms p99 {percentile(ttft, 99) * 1e3:.0f} ms; "
           f"TPOT p50 {statistics.median(tpot) * 1e3:.0f} ms p99 {percentile(tpot, 99) * 1e3:.0f} ms; "
           f"loop time outside the model {after['eightbit_engine_loop_outside_model_ratio']:.1%} "
-          f"(detokenize {after['eightbit_engine_detokenize_seconds_total']:.2f} s of "
-          f"{after['eightbit_engine_loop_busy_seconds_total']:.2f} s busy)")
+          f"(sampling incl. detokenize {after['eightbit_engine_sampling_seconds_total']:.2f} s, detokenize "
+          f"{after['eightbit_engine_detokenize_seconds_total']:.2f} s of "
+          f"{after['eightbit_engine_loop_busy_seconds_total']:.2f} s busy; "
+          f"{after['eightbit_engine_detokenize_seconds_total'] / after['eightbit_generation_tokens_total'] * 1e6:.0f}"
+          f" us of postprocessing per generated token)")
 
 
 def test_engine_loop_thread_does_the_engine_work(server):

@@ -133,6 +133,8 @@ class Generation:
 
     def start(self):
         state = self.state
+        if not state.engine.alive:
+            raise APIError("the engine loop is not running", status=503, type="server_error", code="engine_dead")
         if state.max_queue is not None and state.num_queued + len(self.ids) > state.max_queue:
             raise APIError(f"the server is overloaded: {state.num_queued} requests are waiting "
                            f"(--max-queue {state.max_queue}); retry later",

@@ -172,9 +172,15 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+def _is_none(value) -> bool:
+    return value is None
+
+
 class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
+    """A stream chunk's delta: only the fields it carries are sent (as OpenAI does)."""
+
+    role: str | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):
