@@ -35,10 +35,10 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 echo "### gpu_bench.sh $MODE: model $MODEL, budget ${BUDGET}s, out $OUT, $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 if [ -n "${WHEELS_DIR:-}" ] && ls "$WHEELS_DIR"/*.whl >/dev/null 2>&1; then
-  pip install -q --no-deps "$WHEELS_DIR"/*.whl || echo "### wheel install failed (peers needing them will report it)"
+  $PY -m pip install -q --no-deps "$WHEELS_DIR"/*.whl || echo "### wheel install failed (peers needing them will report it)"
 fi
 if ! $PY -c "import eightbit.eval.bench_cli" 2>/dev/null; then
-  pip install -q --no-deps --no-build-isolation -e . || echo "### pip install -e . failed"
+  $PY -m pip install -q --no-deps --no-build-isolation -e . || echo "### pip install -e . failed"
 fi
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" || true
 
