@@ -1,0 +1,88 @@
+"""The scheduler's arithmetic, without a model: budgets, chunking, decode-first order, preemption, priorities."""
+
+from eightbit import SamplingParams
+from eightbit.engine.block_manager import BlockManager
+from eightbit.engine.config import EngineConfig
+from eightbit.engine.scheduler import Scheduler
+from eightbit.engine.sequence import Request, SequenceStatus
+
+
+def make(num_blocks=64, budget=32, max_seqs=8):
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, device="cpu")
+    bm = BlockManager(num_blocks, block_size=4)
+    return Scheduler(config, bm), bm
+
+
+def add(sched, n_tokens, priority=0, start=0):
+    request = Request(str(n_tokens) + str(start), None, list(range(start, start + n_tokens)),
+                      SamplingParams(max_tokens=100), priority)
+    sched.add(request.seqs[0])
+    return request.seqs[0]
+
+
+def finish_step(out):
+    """What the engine does after a step: mark computed, and sample a token for complete sequences."""
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    sched, _ = make(budget=32)
+    seq = add(sched, 100)
+    chunks = []
+    while seq.num_computed_tokens < 100:
+        out = sched.schedule()
+        assert out.num_tokens <= 32
+        chunks.append(out.scheduled[0][1])
+        finish_step(out)
+    assert chunks == [32, 32, 32, 4]
+    assert seq.num_tokens == 101  # sampled once, after the last chunk
+
+
+def test_running_decodes_go_first_then_waiting_prefills_take_the_rest():
+    sched, _ = make(budget=16)
+    a = add(sched, 8)
+    finish_step(sched.schedule())  # a prefilled, now decoding
+    b = add(sched, 40, start=100)
+    out = sched.schedule()
+    assert [(s, n) for s, n in out.scheduled] == [(a, 1), (b, 15)]
+
+
+def test_max_num_seqs_limits_admission():
+    sched, _ = make(max_seqs=2, budget=100)
+    seqs = [add(sched, 4, start=10 * i) for i in range(3)]
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == seqs[:2]
+    assert seqs[2].status is SequenceStatus.WAITING
+
+
+def test_out_of_blocks_preempts_the_latest_and_it_restarts_from_scratch():
+    sched, bm = make(num_blocks=4, budget=100)  # 16 slots
+    a, b = add(sched, 8), add(sched, 8, start=50)  # both fit exactly: 2 blocks each
+    finish_step(sched.schedule())
+    out = sched.schedule()  # a needs a 3rd block for its 9th token: b (latest) is preempted
+    assert out.preempted == [b] and [s for s, _ in out.scheduled] == [a]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert b.token_ids[-1] == 7  # keeps its sampled token; recompute covers prompt + output
+    assert bm.num_used_blocks == 3
+    assert sched.num_preemptions == 1
+
+
+def test_priority_orders_admission_and_preemption():
+    sched, _ = make(max_seqs=1, budget=100)
+    low = add(sched, 4, priority=3)
+    high = add(sched, 4, priority=-1, start=20)
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == [high]
+    assert sched.waiting == [low]
+
+
+def test_finish_frees_blocks():
+    sched, bm = make()
+    seq = add(sched, 10)
+    finish_step(sched.schedule())
+    assert bm.num_used_blocks == 3
+    sched.finish(seq)
+    assert bm.num_used_blocks == 0 and not sched.has_unfinished()
