@@ -343,6 +343,10 @@ def main():
     ap.add_argument("--decode-ab", metavar="DIR",
                     help="decode only: time this build against DIR/decode_attention.py (a package dir holding an "
                          "older decode_attention.py + attention_configs.py), table width 512 (max_model_len 8192)")
+    ap.add_argument("--decode-goal", metavar="DIR",
+                    help="decode only (issue 5 goal shapes): sweep DECODE_GOAL_CANDIDATES for the int8 cache, then "
+                         "time new int8 / old int8 (DIR as for --decode-ab) / new+old bf16 / SDPA bf16 at batch "
+                         "{1, 16, 64, 256} x ctx {2k, 8k, 32k}, plus prefill d128 4k")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -384,6 +388,9 @@ def main():
                 print(f"| {bsz} | {ctx} | {r['width']} | {kind} | {o:.1f} | {n:.1f} | {o / n:.2f} | {g:.0f} "
                       f"({100 * g / bw:.0f}%) | {r.get('sdpa_bf16_ms', float('nan')) * 1e3:.1f} |", flush=True)
         return
+    if args.decode_goal:
+        decode_goal(results, save, args.decode_goal, bw)
+        return
     if args.sweep:
         sweep(results, save)
     else:
@@ -419,6 +426,75 @@ def main():
             save()
     save()
     print_tables(results)
+
+
+DECODE_GOAL_CANDIDATES = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+                          for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+DECODE_GOAL_SHAPES = [(b, c) for b in (1, 16, 64, 256) for c in (2048, 8192, 32768) if b * c <= (4 << 20)]
+
+
+def decode_goal(results, save, old_dir, bw):
+    import importlib
+
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels.decode_attention import decode_attention
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(old_dir)))
+    old = importlib.import_module(os.path.basename(os.path.abspath(old_dir)) + ".decode_attention")
+    precompile([("decode", 128, "int8", c) for c in DECODE_GOAL_CANDIDATES])
+    best = None
+    for c in DECODE_GOAL_CANDIDATES:
+        set_config("DECODE", (128, "int8"), c)
+        logt = 0.0
+        try:
+            for bsz, ctx in ((64, 8192), (1, 32768), (16, 2048), (256, 2048)):
+                r = decode_case(bsz, ctx, kinds=("int8",), contiguous=False, sdpa=False)
+                logt += math.log(r["ours_int8_paged_ms"])
+                results["sweep"].append(dict(kernel="decode", kind="int8", cfg=c, batch=bsz, ctx=ctx,
+                                             GBs=r["ours_int8_paged_GBs"]))
+                print(f"sweep decode int8 {c} {bsz}x{ctx}: {r['ours_int8_paged_GBs']:.0f} GB/s", flush=True)
+        except Exception as e:
+            logt = float("inf")
+            print("sweep error", c, repr(e)[:300], flush=True)
+        if best is None or logt < best[0]:
+            best = (logt, c)
+    set_config("DECODE", (128, "int8"), best[1])
+    results["chosen"] = {"decode d128 int8": best[1]}
+    print("CHOSEN", json.dumps(results["chosen"]), flush=True)
+    save()
+    impls = {"new": decode_attention, "old": old.decode_attention}
+    rows = []
+    for bsz, ctx in DECODE_GOAL_SHAPES:
+        try:
+            r = decode_case(bsz, ctx, contiguous=False, impls=impls)
+        except Exception as e:
+            r = dict(batch=bsz, ctx=ctx, error=repr(e)[:300])
+            torch.cuda.empty_cache()
+        results["decode"].append(r)
+        rows.append(r)
+        print("decode", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        save()
+    try:
+        r = prefill_case(128, 4096)
+    except Exception as e:
+        r = dict(d=128, seq=4096, error=repr(e)[:300])
+    results["prefill"].append(r)
+    save()
+    print(f"\n== {results['device']} copy {bw:.0f} GB/s, {results['date']}; int8 config {best[1]}")
+    print("prefill d128 4k TFLOP/s: " + ", ".join(f"{k}={v:.0f}" for k, v in r.items() if k.endswith("tflops")))
+    print("| batch | ctx | splits | int8 old µs | int8 new µs | new GB/s (% copy) | bf16 old µs | bf16 new µs "
+          "| SDPA bf16 µs | SDPA/int8new | bf16new/int8new |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(r)
+            continue
+        g = r["new_int8_paged_GBs"]
+        io, inn = r["old_int8_paged_ms"] * 1e3, r["new_int8_paged_ms"] * 1e3
+        bo, bn_ = r["old_bf16_paged_ms"] * 1e3, r["new_bf16_paged_ms"] * 1e3
+        sd = r.get("sdpa_bf16_ms", float("nan")) * 1e3
+        print(f"| {r['batch']} | {r['ctx']} | {r['splits']} | {io:.1f} | {inn:.1f} | {g:.0f} ({100 * g / bw:.0f}%) | "
+              f"{bo:.1f} | {bn_:.1f} | {sd:.1f} | {sd / inn:.2f} | {bn_ / inn:.2f} |", flush=True)
 
 
 def print_tables(res):

@@ -31,7 +31,17 @@ import triton
 import triton.language as tl
 
 from .attention_configs import REDUCE, decode_config, decode_num_splits
-from .prefill_attention import LOG2E, _load_kv_tile, check_attention_inputs, i8_via_bf16
+from .prefill_attention import LOG2E, check_attention_inputs, i8_via_bf16
+
+
+@triton.jit
+def _i8_to(x, DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr):
+    """int8 -> DTYPE, exact (|x| <= 128 fits bf16/fp16). Compiled: through bf16 (byte permutes,
+    no I2F); the CPU interpreter gets bf16 wrong, so it goes through fp32."""
+    if I8_VIA_BF16:
+        return x.to(tl.bfloat16).to(DTYPE)
+    else:
+        return x.to(tl.float32).to(DTYPE)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -57,11 +67,25 @@ def _decode_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    rows = tl.arange(0, QPK_PAD)
-    heads = kvh * QPK + rows
-    row_ok = rows < QPK
+    # int8 cache: the Q tile is "group-expanded": row (r, g) holds query head r's group g of
+    # head_dim (the other groups zeroed), NG = D / G rows per head. One dot with the raw int8
+    # K tile (converted exactly to q.dtype) then gives every per-group partial score
+    # q_{r,g} . k_{t,g}; the group scales are applied to those [ROWS, BLOCK_N] partials (D/G
+    # multiplies per key instead of D) and summed over g. For V, row (r, g) of P is p * s_v[:, g]
+    # and the [ROWS, D] accumulator row (r, g) is only read at its own group's columns at the
+    # end. With 4 query heads per kv head and 4 groups that is 16 rows: the padding the
+    # tensor-core dot needed anyway. A float cache is the special case NG = 1, no scales.
+    NG: tl.constexpr = HEAD_DIM // GROUP if QUANT else 1
+    ROWS: tl.constexpr = QPK_PAD * NG
+    ri = tl.arange(0, ROWS)
+    r_of = ri // NG
+    heads_x = kvh * QPK + r_of
     cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :], mask=row_ok[:, None], other=0.0)
+    q_mask = (r_of < QPK)[:, None]
+    if QUANT:
+        q_mask = q_mask & ((cols[None, :] // GROUP) == (ri % NG)[:, None])
+    q = tl.load(q_ptr + b * stride_qb + heads_x[:, None] * stride_qh + cols[None, :], mask=q_mask, other=0.0)
+    gi = tl.arange(0, NG)
 
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + b * stride_bt
@@ -69,28 +93,51 @@ def _decode_kernel(
     scale_head_off = kvh.to(tl.int64) * stride_sh
     m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QPK_PAD], tl.float32)
-    acc = tl.zeros([QPK_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    # the block-table entries of the next tile are loaded one iteration ahead, so each
+    # iteration waits for one memory round trip (K/V), not two (table, then K/V)
+    n = start + offs_n
+    blk = tl.load(bt_row + n // PAGE_SIZE, mask=n < end, other=0)
     for n_start in range(start, end, BLOCK_N):
         n = n_start + offs_n
         in_range = n < end
-        blk = tl.load(bt_row + n // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+        blk64 = blk.to(tl.int64)
+        n_nx = n + BLOCK_N
+        blk = tl.load(bt_row + n_nx // PAGE_SIZE, mask=n_nx < end, other=0)
         page_off = n % PAGE_SIZE
-        slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
-        scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_range,
-                          HEAD_DIM, GROUP, QUANT, True, q.dtype, I8_VIA_BF16)
-        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_range,
-                          HEAD_DIM, GROUP, QUANT, True, q.dtype, I8_VIA_BF16)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        slot_off = blk64 * stride_cb + page_off * stride_cp + kv_head_off
+        k_raw = tl.load(k_cache_ptr + slot_off[:, None] + cols[None, :], mask=in_range[:, None], other=0)
+        v_raw = tl.load(v_cache_ptr + slot_off[:, None] + cols[None, :], mask=in_range[:, None], other=0)
+        if QUANT:
+            scale_off = blk64 * stride_sb + page_off * stride_sp + scale_head_off
+            s_ptrs = scale_off[None, :] + gi[:, None]  # [NG, BLOCK_N]
+            sk = tl.load(k_scale_ptr + s_ptrs, mask=in_range[None, :], other=0.0).to(tl.float32) * qk_scale
+            sv = tl.load(v_scale_ptr + s_ptrs, mask=in_range[None, :], other=0.0).to(tl.float32)
+            part = tl.dot(q, tl.trans(_i8_to(k_raw, q.dtype, I8_VIA_BF16)))  # [ROWS, BLOCK_N]
+            qk = tl.sum(tl.reshape(part, (QPK_PAD, NG, BLOCK_N)) * sk[None, :, :], 1)
+        else:
+            qk = tl.dot(q, tl.trans(k_raw.to(q.dtype))) * qk_scale
         qk = tl.where(in_range[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(q.dtype), v, acc)
         m_i = m_new
+        if QUANT:
+            p_x = tl.reshape(p[:, None, :] * sv[None, :, :], (ROWS, BLOCK_N))
+            alpha_x = tl.reshape(tl.broadcast_to(alpha[:, None], (QPK_PAD, NG)), (ROWS,))
+            acc = acc * alpha_x[:, None]
+            acc = tl.dot(p_x.to(q.dtype), _i8_to(v_raw, q.dtype, I8_VIA_BF16), acc)
+        else:
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(q.dtype), v_raw.to(q.dtype), acc)
 
+    if QUANT:  # row (r, g) of acc is valid at group g's columns only
+        own = (ri % NG)[:, None] == (cols[None, :] // GROUP)
+        acc = tl.sum(tl.reshape(tl.where(own, acc, 0.0), (QPK_PAD, NG, HEAD_DIM)), 1)
+    rows = tl.arange(0, QPK_PAD)
+    heads = kvh * QPK + rows
+    row_ok = rows < QPK
     if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padded batch slot) -> zeros
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :],
@@ -171,13 +218,16 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         part_out = part_lse = out  # unused
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
+    # rows of the (group-expanded, for int8) Q tile: QPK_PAD * (D / G) >= 16 for tl.dot
+    ng = d // group if quant else 1
+    qpk_pad = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng))
     _decode_kernel[(hkv, bsz, splits)](
         q, out, part_out, part_lse, k_cache, v_cache, ks, vs, block_tables, seq_lens,
         float(softmax_scale) * LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         block_tables.stride(0),
-        QPK=qpk, QPK_PAD=max(16, triton.next_power_of_2(qpk)), HQ=hq, HEAD_DIM=d, GROUP=group,
+        QPK=qpk, QPK_PAD=qpk_pad, HQ=hq, HEAD_DIM=d, GROUP=group,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, I8_VIA_BF16=i8_via_bf16(), **cfg,
     )
     if splits > 1:
