@@ -51,7 +51,8 @@ def main():
     srv = BackgroundServer(engine, port=0).start()
     name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
     rng = random.Random(0)
-    requests = [([rng.randrange(100, 100000) for _ in range(rng.randint(32, 512))], rng.randint(16, 128))
+    vocab = engine.hf_config.vocab_size
+    requests = [([rng.randrange(10, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 128))
                 for _ in range(n)]
     t = time.perf_counter()
     results = asyncio.run(run(srv.url, name, requests, c))
