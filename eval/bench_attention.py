@@ -428,8 +428,12 @@ def main():
     print_tables(results)
 
 
-DECODE_GOAL_CANDIDATES = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-                          for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+# maxnreg caps registers per thread (more programs per SM, some spills); the first sweep of the
+# group-expanded kernel (BLOCK_N 64..256, 4/8 warps, 2/3 stages, no cap) picked 128/4/2.
+DECODE_GOAL_CANDIDATES = [dict(BLOCK_N=128, num_warps=4, num_stages=2)] + [
+    dict(BLOCK_N=bn, num_warps=w, num_stages=st, maxnreg=r)
+    for bn, w, st, r in ((128, 4, 2, 168), (128, 4, 2, 128), (64, 4, 2, 168), (64, 4, 2, 128), (64, 4, 3, 128),
+                         (128, 8, 2, 128), (128, 8, 2, 168), (64, 2, 2, 128), (32, 2, 2, 128))]
 DECODE_GOAL_SHAPES = [(b, c) for b in (1, 16, 64, 256) for c in (2048, 8192, 32768) if b * c <= (4 << 20)]
 
 
@@ -439,9 +443,9 @@ def decode_goal(results, save, old_dir, bw):
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels.decode_attention import decode_attention
 
+    precompile([("decode", 128, "int8", c) for c in DECODE_GOAL_CANDIDATES])  # before old_dir is on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(old_dir)))
     old = importlib.import_module(os.path.basename(os.path.abspath(old_dir)) + ".decode_attention")
-    precompile([("decode", 128, "int8", c) for c in DECODE_GOAL_CANDIDATES])
     best = None
     for c in DECODE_GOAL_CANDIDATES:
         set_config("DECODE", (128, "int8"), c)
