@@ -161,6 +161,7 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_le
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * softmax_scale
     past_end = torch.arange(k.shape[1], device=q.device) >= seq_lens.view(b, 1, 1, 1)
     probs = scores.masked_fill(past_end, float("-inf")).softmax(dim=-1)
+    v = v.masked_fill(past_end.view(b, -1, 1, 1), 0.0)  # never-written slots may hold NaN: 0 * NaN = NaN
     return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(b, hq, d).to(q.dtype)
 
 

@@ -1,0 +1,79 @@
+"""The plain-torch reference ops (the CPU backend and the kernels' oracle) against float64 by hand."""
+
+import math
+
+import pytest
+import torch
+
+from eightbit.kernels import reference as R
+from eightbit.quant.int8 import dequantize_groups
+
+
+def naive_attention(q, keys, values, first_pos):
+    """q [n, Hq, D], keys/values [L, Hkv, D]; causal from first_pos; float64, loops, no tricks."""
+    n, hq, d = q.shape
+    group = hq // keys.shape[1]
+    out = torch.zeros(n, hq, d, dtype=torch.float64)
+    for i in range(n):
+        for h in range(hq):
+            k = keys[: first_pos + i + 1, h // group].double()
+            s = (k @ q[i, h].double()) / math.sqrt(d)
+            out[i, h] = torch.softmax(s, 0) @ values[: first_pos + i + 1, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_paged_attention_on_a_poisoned_shuffled_cache(int8):
+    torch.manual_seed(0)
+    bs, blocks, hkv, hq, d = 4, 12, 2, 6, 16
+    k_cache = torch.full((blocks, bs, hkv, d), float("nan"))
+    v_cache = k_cache.clone()
+    k_scale = v_scale = None
+    if int8:
+        k_cache, v_cache = k_cache.to(torch.int8), v_cache.to(torch.int8)
+        k_scale = torch.full((blocks, bs, hkv, d // 8), float("nan"), dtype=torch.float16)
+        v_scale = k_scale.clone()
+    lens = [7, 1, 10]
+    tables = torch.randperm(blocks)[:9].view(3, 3).to(torch.int32)  # shuffled blocks, no sharing
+    keys, values = [], []
+    for b, length in enumerate(lens):
+        k, v = torch.randn(length, hkv, d), torch.randn(length, hkv, d)
+        slots = torch.tensor([tables[b, p // bs] * bs + p % bs for p in range(length)])
+        R.kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slots)
+        keys.append(R.gather_kv(k_cache, k_scale, tables[b], length))
+        values.append(R.gather_kv(v_cache, v_scale, tables[b], length))
+        if not int8:
+            assert torch.equal(keys[-1], k)
+    q = torch.randn(3, hq, d)
+    dec = R.decode_attention(q, k_cache, v_cache, k_scale, v_scale, tables, torch.tensor(lens, dtype=torch.int32),
+                             d**-0.5)
+    for b, length in enumerate(lens):
+        ref = naive_attention(q[b : b + 1], keys[b], values[b], length - 1)
+        assert torch.allclose(dec[b : b + 1].double(), ref, atol=1e-5)
+    # prefill: the last 3 tokens of sequence 2 as a chunk starting mid-block
+    chunk = torch.randn(3, hq, d)
+    pre = R.prefill_attention(chunk, k_cache, v_cache, k_scale, v_scale, tables[2:], torch.tensor([0, 3]),
+                              torch.tensor([10], dtype=torch.int32), d**-0.5)
+    assert torch.allclose(pre.double(), naive_attention(chunk, keys[2], values[2], 7), atol=1e-5)
+
+
+def test_int8_kv_write_round_trip_error_is_within_half_a_step():
+    x = torch.randn(5, 2, 64) * torch.logspace(-2, 2, 64)
+    cache = torch.zeros(2, 4, 2, 64, dtype=torch.int8)
+    scale = torch.zeros(2, 4, 2, 2, dtype=torch.float16)
+    R.kv_write(x, x, cache, cache.clone(), scale, scale.clone(), torch.arange(5))
+    back = dequantize_groups(cache.view(-1, 2, 64)[:5], scale.view(-1, 2, 2)[:5])
+    step = scale.view(-1, 2, 2)[:5].float().repeat_interleave(32, -1)
+    assert ((back - x).abs() <= 0.5 * step * 1.01 + 1e-7).all()
+
+
+def test_rms_norm_and_int8_gemm_by_hand():
+    x = torch.tensor([[3.0, 4.0]])
+    out, res = R.rms_norm(x, torch.tensor([1.0, 2.0]), 0.0, residual=torch.tensor([[1.0, 0.0]]))
+    assert torch.equal(res, torch.tensor([[4.0, 4.0]]))
+    assert torch.allclose(out, torch.tensor([[1.0, 2.0]]))
+    a = torch.tensor([[-128, 127, 5]], dtype=torch.int8)
+    w = torch.tensor([[-128, -128, 1], [2, 0, -3]], dtype=torch.int8)
+    got = R.int8_gemm(a, torch.tensor([[0.5]]), w, torch.tensor([1.0, 2.0]), torch.tensor([1.0, -1.0]),
+                      torch.float32)
+    assert torch.equal(got, torch.tensor([[(16384 - 16256 + 5) * 0.5 + 1, (-256 - 15) * 0.5 * 2 - 1]]))
