@@ -47,6 +47,7 @@ def add_eval_parser(subparsers):
     common(q)
     q.add_argument("--tasks", default="arc_easy,hellaswag,lambada")
     q.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
+    q.add_argument("--max-model-len", type=int, default=2048, help="engine context (the longest item must fit)")
     q.set_defaults(func=run_tasks)
     return p
 
@@ -68,7 +69,7 @@ def _meta(args, extra) -> dict:
     }
 
 
-def _scorers(args, configs):
+def _scorers(args, configs, max_model_len):
     """Yield (config, scorer or error string), building one model at a time and freeing it after use."""
     from eightbit.eval.configs import build_scorer, default_sq_checkpoint_dir, ensure_sq_checkpoint
     from eightbit.eval.peers import PeerNotRunnable
@@ -81,7 +82,7 @@ def _scorers(args, configs):
         started = time.perf_counter()
         try:
             scorer = build_scorer(config, model=args.model, device=args.device, sq_checkpoint=sq,
-                                  kv_cache_memory_gb=args.kv_cache_memory_gb)
+                                  kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=max_model_len)
         except PeerNotRunnable as e:
             print(f"[eval] {config.name}: not runnable here: {e}", flush=True)
             yield config, f"not runnable here: {e}", 0.0
@@ -127,7 +128,8 @@ def run_ppl(args) -> int:
     meta = _meta(args, {"dataset": "wikitext-2-raw-v1 test", "tokens": len(ids), "window": window,
                         "windows": len(windows), "total_windows": total_windows})
     rows = []
-    for config, scorer, load_s in _scorers(args, configs):
+    max_model_len = min(max_pos, -(-(window + 1) // 16) * 16)  # room for the window + the 1 sampled token
+    for config, scorer, load_s in _scorers(args, configs, max_model_len):
         if isinstance(scorer, str):
             rows.append(_error_row(config, scorer))
         else:
@@ -167,7 +169,7 @@ def run_tasks(args) -> int:
     out = Path(args.out)
     meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}})
     rows = []
-    for config, scorer, load_s in _scorers(args, configs):
+    for config, scorer, load_s in _scorers(args, configs, args.max_model_len):
         if isinstance(scorer, str):
             rows.append(_error_row(config, scorer))
         else:

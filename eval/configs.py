@@ -196,23 +196,23 @@ class EngineScorer(Scorer):
     """eightbit's `LLM`, scored through `SamplingParams(prompt_logprobs=...)`."""
 
     def __init__(self, config: EvalConfig, model=None, device=None, sq_checkpoint=None, kv_cache_memory_gb=None,
-                 max_batch_tokens=16384):
+                 max_batch_tokens=16384, max_model_len=2048, llm=None):
+        """Build the `LLM` of `config`, or wrap an existing one (`llm`, e.g. a test's shared engine)."""
         from eightbit import LLM
-        from eightbit.engine.loader import _read_quantization  # noqa: F401  (fail early if the engine moved)
 
         super().__init__(config)
         path = model
         if config.weights == "smoothquant":
-            if sq_checkpoint is None:
+            if sq_checkpoint is None and llm is None:
                 raise ValueError(f"configuration {config.name} needs a SmoothQuant checkpoint "
                                  f"(--sq-checkpoint DIR, made by `eightbit quantize` if missing)")
             path = str(sq_checkpoint)
         options = dict(dtype=config.dtype, device=device, kv_cache_dtype=config.kv_cache_dtype,
                        kv_group_size=config.kv_group_size,
-                       quantization="w8a8" if config.weights == "rtn" else None)
+                       quantization="w8a8" if config.weights == "rtn" else None, max_model_len=max_model_len)
         if kv_cache_memory_gb is not None:
             options["kv_cache_memory_gb"] = kv_cache_memory_gb
-        self.llm = LLM(path, **options)
+        self.llm = llm if llm is not None else LLM(path, **options)
         engine = self.llm.engine
         if config.w8a8 and not engine.quantized:
             raise RuntimeError(f"{config.name}: the engine did not load W8A8 weights")
@@ -252,7 +252,8 @@ def build_scorer(config: EvalConfig, *, model=None, device=None, sq_checkpoint=N
     if config.backend == "engine":
         return EngineScorer(config, model=model, device=device, sq_checkpoint=sq_checkpoint,
                             kv_cache_memory_gb=options.get("kv_cache_memory_gb"),
-                            max_batch_tokens=options.get("max_batch_tokens", 16384))
+                            max_batch_tokens=options.get("max_batch_tokens", 16384),
+                            max_model_len=options.get("max_model_len", 2048))
     from eightbit.eval.peers import HFScorer
 
     return HFScorer(config, model=model, device=device, max_batch_tokens=options.get("hf_batch_tokens", 4096))

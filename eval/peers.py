@@ -114,10 +114,11 @@ def _tensor_bytes(t) -> int:
 class HFScorer(Scorer):
     """An HF transformers causal LM, right-padded batches, log-softmax in float32."""
 
-    def __init__(self, config, model=None, device=None, max_batch_tokens=4096):
+    def __init__(self, config, model=None, device=None, max_batch_tokens=4096, hf_model=None):
+        """Load the peer of `config`, or wrap an already loaded HF model (`hf_model`)."""
         super().__init__(config)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_peer(config, model, self.device)
+        self.model = hf_model if hf_model is not None else load_peer(config, model, self.device)
         self.max_batch_tokens = max_batch_tokens
         from eightbit.quant.schemes import kv_bytes_per_token
 

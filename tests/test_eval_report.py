@@ -1,0 +1,89 @@
+"""Report writer, configuration parsing, data-dir resolution, and the eval CLI end to end on a tiny run."""
+
+import json
+import math
+
+import pytest
+
+from eightbit.eval import report
+from eightbit.eval.configs import CONFIGS, ENV_DATA, parse_configs, resolve_data_dir
+
+PPL_ROWS = [
+    {"config": "bf16", "backend": "engine", "baseline": "bf16", "ppl": 10.0, "weight_bytes": 270e6,
+     "kv_bytes_per_token": 23040, "windows": 2, "scored_tokens": 100, "seconds": 3.0},
+    {"config": "kv8-g32", "backend": "engine", "baseline": "bf16", "ppl": 10.02, "weight_bytes": 270e6,
+     "kv_bytes_per_token": 12960, "windows": 2, "scored_tokens": 100, "seconds": 3.0},
+    {"config": "kv8-g8", "backend": "engine", "baseline": "bf16", "ppl": 10.01, "weight_bytes": 270e6,
+     "kv_bytes_per_token": 17280, "windows": 2, "scored_tokens": 100, "seconds": 3.0},
+    {"config": "bnb-int8", "backend": "hf", "baseline": "hf-bf16", "error": "not runnable here: no CUDA"},
+]
+
+
+def test_ppl_table_deltas_and_errors():
+    deltas = report.ppl_deltas(PPL_ROWS)
+    assert deltas["bf16"] == 0.0 and deltas["kv8-g32"] == pytest.approx(0.2)
+    assert deltas["bnb-int8"] is None
+    table = report.ppl_table(PPL_ROWS)
+    assert "| kv8-g32 | engine | 10.0200 | +0.20% | bf16 |" in table
+    assert "not runnable here: no CUDA" in table
+    assert table.count("\n") == len(PPL_ROWS) + 1
+
+
+def test_ppl_chart_and_json(tmp_path):
+    png = report.ppl_chart(PPL_ROWS, tmp_path / "c" / "ppl.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path = report.write_json(tmp_path / "ppl.json", {"meta": {"x": 1}, "rows": PPL_ROWS})
+    assert json.loads(path.read_text())["rows"][1]["ppl"] == 10.02
+
+
+def test_tasks_table_paired_deltas(tmp_path):
+    def task(outcomes):
+        return {"items": 4, "acc": sum(outcomes) / 4, "acc_norm": 0.5,
+                "outcomes": {"acc": outcomes, "acc_norm": [1, 0, 1, 0]}}
+
+    rows = [
+        {"config": "bf16", "backend": "engine", "baseline": "bf16", "tasks": {"arc_easy": task([1, 1, 0, 1])}},
+        {"config": "kv8", "backend": "engine", "baseline": "bf16", "tasks": {"arc_easy": task([1, 0, 0, 0])}},
+    ]
+    d = report.task_deltas(rows, "arc_easy", "acc")
+    assert d["kv8"]["diff"] == pytest.approx(-50.0)
+    assert d["kv8"]["stderr"] == pytest.approx(100 * math.sqrt(1 / 3 / 4))
+    table = report.tasks_table(rows, ["arc_easy"])
+    assert "| kv8 | engine | 25.00 (-50.00 ± 28.87) | 50.00 (+0.00 ± 0.00) |" in table
+    assert "arc_easy: 4 items" in table
+    assert report.tasks_chart(rows, ["arc_easy"], tmp_path / "t.png").is_file()
+
+
+def test_parse_configs_groups_and_errors():
+    names = [c.name for c in parse_configs("parity,kv-sweep,bf16")]
+    assert names == ["fp32", "hf-fp32", "bf16", "hf-bf16", "kv8-g8", "kv8-g16", "kv8-g32", "kv8-g64"]
+    assert CONFIGS["kv8"].kv_cache_dtype == "int8" and CONFIGS["w8a8-sq+kv8"].weights == "smoothquant"
+    with pytest.raises(ValueError, match="unknown configuration"):
+        parse_configs("bf16,nope")
+
+
+def test_resolve_data_dir_order(tmp_path, monkeypatch):
+    assert resolve_data_dir(tmp_path) == tmp_path
+    monkeypatch.setenv(ENV_DATA, str(tmp_path))
+    assert resolve_data_dir() == tmp_path
+    monkeypatch.setenv(ENV_DATA, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="EIGHTBIT_DATA"):
+        resolve_data_dir()
+    monkeypatch.delenv(ENV_DATA)
+    assert (resolve_data_dir() / "wikitext-2").is_dir()  # <repo>/../shared/data
+    with pytest.raises(FileNotFoundError):
+        resolve_data_dir(tmp_path / "nope")
+
+
+def test_eval_cli_ppl_end_to_end(tmp_path, capsys):
+    from eightbit.eval.cli import main
+
+    rc = main(["ppl", "--configs", "fp32", "--windows", "1", "--window-size", "48", "--device", "cpu",
+               "--kv-cache-memory-gb", "0.25", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    payload = json.loads((tmp_path / "ppl.json").read_text())
+    rows = {r["config"]: r for r in payload["rows"]}
+    assert 1.0 < rows["fp32"]["ppl"] < 1000 and rows["fp32"]["scored_tokens"] == 47
+    assert payload["meta"]["windows"] == 1 and payload["meta"]["window"] == 48
+    assert (tmp_path / "ppl.png").is_file() and "| fp32 | engine |" in (tmp_path / "ppl.md").read_text()
+    assert "WikiText-2 raw test, 1/" in capsys.readouterr().out

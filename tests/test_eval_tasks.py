@@ -1,0 +1,126 @@
+"""Task scoring: loaders on the real files, lm-eval's pair encoding, acc/acc_norm vs a direct HF computation
+on hand-made items, the LAMBADA greedy-match logic, and the paired standard error."""
+
+import math
+
+import pytest
+import torch
+
+from eightbit.eval.configs import CONFIGS, EngineScorer, resolve_data_dir, score_from_prompt_logprobs
+from eightbit.eval.peers import score_logits
+from eightbit.eval.tasks import (Item, build_requests, encode_pair, evaluate_task, hellaswag_preprocess, load_task,
+                                 mean_stderr, multiple_choice_outcomes, paired_difference)
+
+
+def test_loaders_read_the_shared_files():
+    data = resolve_data_dir()
+    arc = load_task("arc_easy", data, limit=3)
+    assert arc[0].id == "Mercury_417466" and arc[0].context.startswith("Question: ")
+    assert arc[0].context.endswith("\nAnswer:") and all(c.startswith(" ") for c in arc[0].continuations)
+    full = load_task("arc_easy", data)
+    assert len(full) == 2376
+    numeric = next(i for i in full if i.continuations and i.id and i.gold is not None and len(i.continuations) and
+                   i.context and i.lengths and i.task == "arc_easy" and i.id.startswith("NYSEDREGENTS"))
+    assert 0 <= numeric.gold < len(numeric.continuations)
+    hs = load_task("hellaswag", data, limit=2)
+    assert hs[0].context == "Roof shingle removal: A man is sitting on a roof. He"  # lm-eval's ctx_b.capitalize()
+    assert hs[0].gold == 3 and hs[0].continuations[3] == " starts pulling up roofing on a roof."
+    assert hs[0].lengths[3] == len("starts pulling up roofing on a roof.")
+    lam = load_task("lambada", data, limit=2)
+    assert len(lam[0].continuations) == 1 and lam[0].continuations[0].startswith(" ")
+    assert " " not in lam[0].continuations[0][1:] or "\n" in lam[0].continuations[0]
+    assert not lam[0].context.endswith(" ")
+
+
+def test_hellaswag_preprocess_as_lm_eval():
+    assert hellaswag_preprocess(" Do it [title] Then [step] go.  Now") == "Do it. Then go. Now"
+    # lm-eval strips before removing brackets, so a leading "[header] " leaves its space: kept as lm-eval does
+    assert hellaswag_preprocess("[header] How to x [title] Step") == " How to x. Step"
+
+
+def test_encode_pair_moves_trailing_space(tokenizer):
+    ctx, cont = encode_pair(tokenizer, "The capital of France is ", "Paris")
+    assert ctx == tokenizer("The capital of France is", add_special_tokens=False).input_ids
+    assert ctx + cont == tokenizer("The capital of France is Paris", add_special_tokens=False).input_ids
+
+
+def test_stderr_and_paired_difference_by_hand():
+    mean, se = mean_stderr([1, 0, 1, 1])
+    assert mean == 0.75 and se == pytest.approx(math.sqrt((3 * 0.0625 + 0.5625) / 3 / 4))
+    d = paired_difference([1, 1, 0, 1], [1, 0, 0, 0])  # differences 0, 1, 0, 1
+    assert d["diff"] == 0.5 and d["stderr"] == pytest.approx(math.sqrt(1 / 3 / 4))
+    with pytest.raises(ValueError):
+        paired_difference([1], [1, 0])
+
+
+def test_acc_norm_divides_by_choice_length():
+    items = [Item("t", "0", "ctx", [" a", " bbbbbbbbbb"], gold=1, lengths=[1, 10])]
+    acc, acc_norm = multiple_choice_outcomes(items, [-2.0, -5.0])  # sum prefers a; per char prefers b
+    assert acc == [0] and acc_norm == [1]
+
+
+def test_greedy_match_from_prompt_logprobs():
+    tokens = [5, 7, 9]
+    argmax_everywhere = [None, {7: -0.1}, {9: -0.5, 3: -1.5}]
+    loses_once = [None, {7: -0.1}, {9: -1.5, 3: -0.5}]
+    tie = [None, {7: -0.1}, {9: -0.7, 3: -0.7}]
+    assert score_from_prompt_logprobs(tokens, 1, argmax_everywhere, True).greedy
+    assert not score_from_prompt_logprobs(tokens, 1, loses_once, True).greedy
+    assert score_from_prompt_logprobs(tokens, 1, tie, True).greedy
+    s = score_from_prompt_logprobs(tokens, 2, loses_once, True)  # only the last token is the continuation
+    assert s.logprob == -1.5 and s.num_tokens == 1 and not s.greedy
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 4.0], [1.0, 1.0, 1.0]])
+    assert score_logits(logits, [0, 1, 2], 1, True).greedy
+    assert not score_logits(logits, [0, 1, 0], 1, True).greedy
+
+
+HAND_MADE = [  # (context, choices, gold): the model should clearly prefer the gold one
+    ("The capital of France is", [" Paris", " a banana sandwich with extra cheese", " purple"], 0),
+    ("One, two, three, four,", [" blue", " five", " elephant and tiger"], 1),
+    ("Monday, Tuesday, Wednesday,", [" Thursday", " Saturday", " carrots"], 0),
+]
+
+
+def hf_choice_loglikelihoods(hf_model, tokenizer, context, choices):
+    out = []
+    for c in choices:
+        ctx, cont = encode_pair(tokenizer, context, c)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ctx + cont])).logits[0].double()
+        lp = torch.log_softmax(logits, -1)
+        out.append(sum(lp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(llm):
+    return EngineScorer(CONFIGS["fp32"], llm=llm)  # the suite's shared float32 engine (conftest)
+
+
+def test_multiple_choice_matches_direct_hf(fp32_engine, hf_model, tokenizer):
+    items = [Item("hand", str(i), ctx, ch, gold, [len(c) - 1 for c in ch]) for i, (ctx, ch, gold) in enumerate(HAND_MADE)]
+    ours = [s.logprob for s in fp32_engine.loglikelihood(build_requests(items, tokenizer))]
+    assert len(ours) == 9
+    expected_acc, expected_norm, k = [], [], 0
+    for item in items:
+        lls = hf_choice_loglikelihoods(hf_model, tokenizer, item.context, item.continuations)
+        assert ours[k : k + 3] == pytest.approx(lls, abs=2e-3)
+        k += 3
+        expected_acc.append(int(max(range(len(lls)), key=lls.__getitem__) == item.gold))
+        normed = [ll / n for ll, n in zip(lls, item.lengths)]
+        expected_norm.append(int(max(range(len(normed)), key=normed.__getitem__) == item.gold))
+    acc, acc_norm = multiple_choice_outcomes(items, ours)
+    assert acc == expected_acc and acc_norm == expected_norm
+    assert acc == [1, 1, 1]  # the known answer ordering
+
+
+def test_lambada_greedy_matches_direct_hf(fp32_engine, hf_model, tokenizer):
+    items = load_task("lambada", resolve_data_dir(), limit=4)
+    res = evaluate_task(fp32_engine, "lambada", items, tokenizer, progress=False)
+    expected = []
+    for (ids, start) in build_requests(items, tokenizer):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids])).logits[0]
+        expected.append(int(all(logits[j - 1].argmax().item() == ids[j] for j in range(start, len(ids)))))
+    assert res["outcomes"]["acc"] == expected
+    assert res["ppl"] > 1.0
