@@ -56,14 +56,16 @@ def run_generate(args) -> int:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="eightbit", description="int8 LLM inference: generate, quantize, bench, serve")
+    parser = argparse.ArgumentParser(prog="eightbit", description="int8 LLM inference: generate, quantize, eval, bench, serve")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     from eightbit.engine.server.cli import add_serve_parser
     from eightbit.eval.bench_cli import add_bench_parser
+    from eightbit.eval.cli import add_eval_parser
     from eightbit.quant.cli import add_quantize_parser
 
     add_quantize_parser(sub)
+    add_eval_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
     return parser
