@@ -46,12 +46,11 @@ def load_model(config) -> LoadedModel:
 
 def _read_quantization(hf_config):
     """The int8 scheme of a quantized checkpoint, None for a float one; unsupported formats raise."""
-    qcfg = getattr(hf_config, "quantization_config", None)
-    if not qcfg:
+    if not getattr(hf_config, "quantization_config", None):
         return None
     from eightbit.quant.checkpoint_format import read_quantization_config
 
-    return read_quantization_config(qcfg)
+    return read_quantization_config(hf_config)
 
 
 def build_model(hf_config, quantized, dtype, device) -> LlamaForCausalLM:

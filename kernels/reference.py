@@ -175,14 +175,15 @@ def gather_kv_padded(cache, scale, block_tables):
 
 
 def _attend(q, k, v, softmax_scale, first_pos):
-    """q [n, Hq, D] at positions first_pos.., k/v [L, Hkv, D] float32 -> [n, Hq, D]."""
+    """q [n, Hq, D] at positions first_pos.., k/v [L, Hkv, D] float32 -> [n, Hq, D].
+
+    Query i sees keys 0..first_pos + i (the causal mask aligned to the bottom right).
+    """
     n, hq, _ = q.shape
-    group = hq // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * softmax_scale
     q_pos = torch.arange(n, device=q.device).unsqueeze(1) + first_pos
     k_pos = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=k_pos <= q_pos, scale=softmax_scale, enable_gqa=True,
+    )  # [Hq, n, D]; GQA: query head h reads kv head h // (Hq // Hkv)
+    return out.transpose(0, 1).to(q.dtype)
