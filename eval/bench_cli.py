@@ -11,7 +11,6 @@ rewrites DIR/<bench>.json and DIR/<bench>.png and prints that benchmark's table 
 its record says so (partial); the next ones are recorded as skipped.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -540,11 +539,10 @@ def summary(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="eightbit")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    """`python -m eightbit.eval.bench_cli run ...` = `eightbit bench run ...`."""
+    from eightbit.cli import main as eightbit_main
+
+    return eightbit_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

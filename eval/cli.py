@@ -197,17 +197,10 @@ def run_tasks(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry (`python -m eightbit.eval.cli ppl ...`) until the lead wires it into `eightbit`."""
-    import argparse
+    """`python -m eightbit.eval.cli ppl ...` = `eightbit eval ppl ...`."""
+    from eightbit.cli import main as eightbit_main
 
-    parser = argparse.ArgumentParser(prog="eightbit")
-    add_eval_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["eval", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"eightbit eval: error: {e}", file=sys.stderr)
-        return 2
+    return eightbit_main(["eval", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

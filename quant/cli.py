@@ -153,11 +153,11 @@ def _report(out, summary) -> None:
           + ", ".join(f"{p} {base[p]:.2e} -> {errs[p]:.2e}" for p in errs))
 
 
-def main(argv=None) -> int:  # python -m eightbit.quant.cli
-    parser = argparse.ArgumentParser(prog="eightbit")
-    add_quantize_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+def main(argv=None) -> int:
+    """`python -m eightbit.quant.cli SRC OUT` = `eightbit quantize SRC OUT`."""
+    from eightbit.cli import main as eightbit_main
+
+    return eightbit_main(["quantize", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
