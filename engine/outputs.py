@@ -14,9 +14,6 @@ class CompletionOutput:
     stop_reason: object = None  # the stop string or stop token id, if one ended it
     delta: str = ""  # text released by the step that produced this output
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:

@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-SHARED_DATA = None
-
 
 @pytest.fixture(scope="session")
 def smollm_path():

@@ -12,6 +12,7 @@ from torch import nn
 from eightbit.engine.layers.attention import Attention
 from eightbit.engine.layers.linear import Linear
 from eightbit.engine.layers.norm import RMSNorm, SiluAndMul
+from eightbit.quant.schemes import head_dim
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -42,10 +43,6 @@ def check_supported(config):
         raise ValueError("Qwen2 sliding-window attention is not implemented")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
