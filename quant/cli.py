@@ -36,12 +36,14 @@ def quantize(
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     overwrite: bool = False,
     progress: bool = True,
+    device="auto",
     **convert_options,
 ) -> dict:
     """Quantize `src` (HF checkpoint dir, GGUF file, or None for the embedded SmolLM2) to W8A8 in `out`.
 
     calib_data: a text file or "hf:NAME[:CONFIG][:SPLIT]"; None finds WikiText-2 valid
     (see calibrate.data). alpha: "auto" (per layer and point, from a grid), a float, or None.
+    device: where calibration runs ("auto": the GPU if there is one, else the CPU).
     Returns the calibration summary written into the checkpoint. Raises QuantizeError
     (a ValueError) on bad input; on any failure `out` is left untouched.
     """
@@ -57,6 +59,7 @@ def quantize(
     out = Path(out)
     alpha = _parse_alpha(alpha)
     check_output_path(out, overwrite)
+    device = _resolve_device(device)
     try:
         kv = KVCacheScheme(group_size=kv_group_size)
     except ValueError as e:
@@ -79,8 +82,22 @@ def quantize(
     calibration = make_windows(text, tokenizer, num_samples, seq_len)
     return convert(
         checkpoint, out, calibration, alpha=alpha, kv_group_size=kv_group_size, overwrite=overwrite,
-        progress=progress, tokenizer=tokenizer, **convert_options,
+        progress=progress, tokenizer=tokenizer, device=device, **convert_options,
     )
+
+
+def _resolve_device(device):
+    import torch
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise QuantizeError(f"bad device {device!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QuantizeError(f"device {device} asked for, but torch sees no CUDA GPU")
+    return device
 
 
 HELP = """\
@@ -116,6 +133,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-group-size", type=int, default=DEFAULT_KV_GROUP_SIZE,
                    help=f"int8 KV cache group size along head_dim: 8, 16, 32, 64 or head_dim "
                    f"(default {DEFAULT_KV_GROUP_SIZE})")
+    p.add_argument("--device", default="auto",
+                   help="where calibration runs: 'auto' (a CUDA GPU if present, else the CPU), 'cpu', 'cuda', 'cuda:1'")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_quantize)
@@ -137,7 +156,7 @@ def run_quantize(args) -> int:
         summary = quantize(
             src, out, calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
             alpha=args.alpha, kv_group_size=args.kv_group_size, overwrite=args.overwrite,
-            progress=not args.no_progress,
+            progress=not args.no_progress, device=args.device,
         )
     except QuantizeError as e:
         print(f"error: {e}", file=sys.stderr)

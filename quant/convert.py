@@ -11,6 +11,7 @@ already bent by earlier layers' quantization (and one forward per layer suffices
 
 Memory: one float32 decoder layer, the calibration hidden states (num_samples x seq_len x
 hidden x 4 bytes, twice), and the shard being filled (<= 2 GB); never the whole model.
+With device="cuda" the layer and the hidden states live on the GPU, the shard on the CPU.
 
 Output (see quant/checkpoint_format.py for quantization_config):
     config.json               the source config + architectures + dtype bfloat16 + quantization_config
@@ -75,11 +76,15 @@ def convert(
     sample_tokens: int = 2048,
     batch_size: int = 8,
     tokenizer=None,
+    device="cpu",
+    alpha_grid=ALPHA_GRID,
 ) -> dict:
     """Write the W8A8 checkpoint of `checkpoint` (engine.weights.Checkpoint) to `out`.
 
     calibration: a calibrate.data.CalibrationSet. alpha: "auto", a float in [0, 1], or None
-    (no smoothing). Returns the calibration summary stored in the checkpoint.
+    (no smoothing). device: where calibration runs, one float32 layer at a time (the result
+    differs from the CPU's only by float rounding). Returns the calibration summary stored
+    in the checkpoint.
     """
     config = checkpoint.config
     kv = KVCacheScheme(group_size=kv_group_size)
@@ -88,7 +93,7 @@ def convert(
     except ValueError as e:
         raise QuantizeError(str(e)) from e
     scheme = QuantScheme(kv_cache=kv)
-    layers = DecoderLayers(checkpoint)
+    layers = DecoderLayers(checkpoint, device)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     tied = bool(getattr(config, "tie_word_embeddings", False))
     started = time.time()
@@ -98,7 +103,7 @@ def convert(
         embed = _finite("model.embed_tokens.weight", checkpoint.get_tensor("model.embed_tokens.weight"))
         if calibration.input_ids.max() >= embed.shape[0]:
             raise QuantizeError("the calibration tokens exceed the model's vocabulary: tokenizer and model disagree")
-        hidden = F.embedding(calibration.input_ids, embed.float())
+        hidden = F.embedding(calibration.input_ids.to(device), embed.to(device, torch.float32))
         writer.add("model.embed_tokens.weight", embed.to(FLOAT_DTYPE))
         del embed
 
@@ -111,7 +116,7 @@ def convert(
                 layer, layers.run, hidden, sample_tokens=sample_tokens, batch_size=batch_size,
                 layer_name=prefix.rstrip("."),
             )
-            record = smooth_layer(layer, stats, alpha, heads, kv_heads)
+            record = smooth_layer(layer, stats, alpha, heads, kv_heads, alpha_grid)
             _write_layer(writer, prefix, layer)
             layers.release(i)
             del stats, layer
@@ -129,7 +134,7 @@ def convert(
             writer.add(name, _finite(name, t).to(FLOAT_DTYPE))
         writer.close()
 
-        summary = _summary(calibration, alpha, sample_tokens, records, time.time() - started)
+        summary = _summary(calibration, alpha, alpha_grid, sample_tokens, records, time.time() - started, device)
         _write_config(tmp, config, build_quantization_config(scheme, summary))
         for step in tqdm(("generation_config", "tokenizer"), desc="write config/tokenizer", disable=not progress):
             if step == "generation_config" and checkpoint.generation_config is not None:
@@ -139,7 +144,7 @@ def convert(
     return summary
 
 
-def _summary(calibration, alpha, sample_tokens, records, seconds) -> dict:
+def _summary(calibration, alpha, alpha_grid, sample_tokens, records, seconds, device) -> dict:
     def mean(key, point):
         return sum(r[point][key] for r in records) / len(records)
 
@@ -147,7 +152,7 @@ def _summary(calibration, alpha, sample_tokens, records, seconds) -> dict:
         "data": calibration.summary(),
         "method": "smoothquant",
         "alpha": alpha if alpha in ("auto", None) else float(alpha),
-        "alpha_grid": list(ALPHA_GRID) if alpha == "auto" else None,
+        "alpha_grid": [float(a) for a in alpha_grid] if alpha == "auto" else None,
         "error_metric": "relative squared error of the W8A8 linear outputs vs float, summed over the point's "
         "Linears, on the sampled calibration tokens",
         "sample_tokens": sample_tokens,
@@ -156,6 +161,7 @@ def _summary(calibration, alpha, sample_tokens, records, seconds) -> dict:
         "mean_error_unsmoothed": {p.name: mean("error_unsmoothed", p.name) for p in POINTS},
         "layers": records,
         "seconds": round(seconds, 1),
+        "device": str(device),
     }
 
 

@@ -1,7 +1,8 @@
 """Transformers' own decoder layers, one at a time, with their tensors streamed from a Checkpoint.
 
 The whole model is built once on the meta device (no memory); `load(i)` gives decoder layer i
-real float32 tensors read one by one from the checkpoint, `release(i)` sends them back to
+real float32 tensors read one by one from the checkpoint (on `device`: the CPU, or a GPU,
+where calibration is many times faster), `release(i)` sends them back to
 meta. `run(layer, x)` calls the layer as the HF model does: RoPE (cos, sin) from the model's
 own rotary embedding at positions 0..T-1, and an explicit causal mask.
 """
@@ -39,11 +40,12 @@ def architecture(config) -> str:
 
 
 class DecoderLayers:
-    def __init__(self, checkpoint):
+    def __init__(self, checkpoint, device="cpu"):
         from transformers import AutoModelForCausalLM
 
         check_supported(checkpoint.config)
         self.checkpoint = checkpoint
+        self.device = torch.device(device)
         config = copy.deepcopy(checkpoint.config)
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -73,7 +75,7 @@ class DecoderLayers:
                 raise QuantizeError(f"tensor {full!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
             # a copy: checkpoint tensors may be copy-on-write views of an mmapped file, and
             # folding in place would leave dirty private pages mapped until the file is closed
-            t = t.to(torch.float32, copy=True)
+            t = t.to(self.device, torch.float32, copy=True)
             if not torch.isfinite(t).all():
                 raise QuantizeError(f"tensor {full!r} holds NaN or inf values")
             state[name] = t
@@ -89,7 +91,8 @@ class DecoderLayers:
             pos = torch.arange(t).unsqueeze(0)
             cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32), pos)
             mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1).view(1, 1, t, t)
-            self._rope = {t: (pos, (cos, sin), mask)}
+            dev = self.device
+            self._rope = {t: (pos.to(dev), (cos.to(dev), sin.to(dev)), mask.to(dev))}
         return self._rope[t]
 
     @torch.no_grad()

@@ -67,7 +67,7 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
             self.flush()
-        self.pending[name] = tensor.detach().contiguous().clone()  # own its memory, not a view's base
+        self.pending[name] = tensor.detach().to("cpu", copy=True).contiguous()  # own its memory, on the CPU
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 

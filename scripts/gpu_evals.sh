@@ -19,5 +19,5 @@ fi
 timeout ${PPL_CAP:-170} eightbit eval ppl --model "$GGUF" --device cuda --data-dir "$DATA" --sq-checkpoint "$SQ" \
   --configs $PPL_CONFIGS --out "$OUT/ppl" --no-progress 2>&1 | grep -v -i warn | tail -30
 timeout ${TASKS_CAP:-150} eightbit eval tasks --model "$GGUF" --device cuda --data-dir "$DATA" --sq-checkpoint "$SQ" \
-  --configs $TASK_CONFIGS --limit ${TASK_LIMIT:-2376} --out "$OUT/tasks" --no-progress 2>&1 \
+  --configs $TASK_CONFIGS --tasks ${TASKS:-arc_easy,hellaswag,lambada} --limit ${TASK_LIMIT:-2376} --out "$OUT/tasks" --no-progress 2>&1 \
   | grep -v -i warn | tail -20
