@@ -54,3 +54,19 @@ def test_run_end_to_end_and_errors(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert cli.run_quantize(parse(argv + ["--overwrite", "--kv-group-size", "24"])) == 2
     assert "group size 24" in capsys.readouterr().err
+
+
+def test_device_option_and_bad_devices(tmp_path, monkeypatch):
+    assert parse(["src", "out"]).device == "auto"
+    assert parse(["src", "out", "--device", "cpu"]).device == "cpu"
+    import torch
+
+    expect = "cuda" if torch.cuda.is_available() else "cpu"
+    assert cli._resolve_device("auto").type == expect
+    assert cli._resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(cli.QuantizeError, match="bad device 'gpu0'"):
+        cli._resolve_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(cli.QuantizeError, match="no CUDA GPU"):
+        cli.quantize(None, tmp_path / "out", device="cuda")
+    assert not (tmp_path / "out").exists()
