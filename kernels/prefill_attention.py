@@ -18,7 +18,8 @@ Algorithm, one program per (query head, BLOCK_M query tile of one sequence):
     diagonal are never visited.
   * GQA: query head h reads kv head h // (Hq // Hkv).
 Tiles are handed out longest-first within each sequence (the last query tile sees the most
-keys), via a small tile -> (sequence, tile) map built on the device with no host sync.
+keys), via a small tile -> (sequence, tile) map built on the device with no host sync, once
+per step (see _tile_map).
 
 Requirements: q [T, Hq, D] float16/bfloat16/float32 with a contiguous last dim; power-of-two
 head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_lens [B]
@@ -243,6 +244,38 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     return quant, group
 
 
+_last_tile_map = [None]  # ((cu_seqlens_q, its version, t, BLOCK_M), map) of the latest call
+
+
+def _version(t):
+    return None if t.is_inference() else t._version  # inference tensors keep no version counter
+
+
+def _tile_map(cu_seqlens_q, t, bm):
+    """Program -> (sequence, query tile), longest tile of each sequence first; no host sync.
+
+    Every layer of a step passes the same cu_seqlens_q tensor, so the map (seven small device
+    ops, ~0.1 ms of launches) is built once per step, not once per layer. The memo holds the
+    tensor itself (so its id cannot be reused) and, outside inference mode, its version counter
+    (an in-place change misses the memo). Contract: an inference-mode cu_seqlens_q is not
+    changed in place between calls (the engine builds a new one every step)."""
+    memo = _last_tile_map[0]
+    if memo is not None and memo[0][0] is cu_seqlens_q and memo[0][1:] == (_version(cu_seqlens_q), t, bm):
+        return memo[1]
+    b = cu_seqlens_q.shape[0] - 1
+    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
+    tiles = (n_q + bm - 1) // bm
+    ends = torch.cumsum(tiles, 0, dtype=torch.int32)
+    bound = triton.cdiv(t, bm) + b
+    pid = torch.arange(bound, device=cu_seqlens_q.device, dtype=torch.int32)
+    tile_seq = torch.searchsorted(ends, pid, right=True).to(torch.int32)
+    sc = tile_seq.clamp(max=b - 1).long()
+    tile_idx = (ends[sc] - 1 - pid).to(torch.int32)
+    result = (bound, tile_seq, tile_idx)
+    _last_tile_map[0] = ((cu_seqlens_q, _version(cu_seqlens_q), t, bm), result)
+    return result
+
+
 def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, softmax_scale):
     """Causal varlen attention of packed queries (each sequence's last tokens) over the paged cache.
 
@@ -262,15 +295,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
         return out
     cfg = prefill_config(d, k_cache.dtype)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    # tile -> (sequence, query tile), longest tile of each sequence first; no host sync.
-    n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
-    tiles = (n_q + bm - 1) // bm
-    ends = torch.cumsum(tiles, 0, dtype=torch.int32)
-    bound = triton.cdiv(t, bm) + b
-    pid = torch.arange(bound, device=q.device, dtype=torch.int32)
-    tile_seq = torch.searchsorted(ends, pid, right=True).to(torch.int32)
-    sc = tile_seq.clamp(max=b - 1).long()
-    tile_idx = (ends[sc] - 1 - pid).to(torch.int32)
+    bound, tile_seq, tile_idx = _tile_map(cu_seqlens_q, t, bm)
     hkv = k_cache.shape[2]
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache

@@ -406,3 +406,17 @@ def test_gpu_rope_kv_write_bf16(cache):
     else:
         for a, b in ((mine[0], ref[0]), (mine[1], ref[1])):
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, equal_nan=True)
+
+
+def test_tile_map_built_once_per_step_and_follows_in_place_changes():
+    """The program -> (sequence, query tile) map: hand-computed, memoized per cu_seqlens_q tensor."""
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    first = pmod._tile_map(cu, 10, 4)
+    assert pmod._tile_map(cu, 10, 4) is first  # the next layer of the same step
+    cu[1] = 5  # sequences of 5 and 5 tokens: 2 tiles each, the longer-seeing tile first
+    bound, tile_seq, tile_idx = pmod._tile_map(cu, 10, 4)
+    assert bound == 5  # cdiv(10, 4) + 2 sequences
+    assert tile_seq.tolist() == [0, 0, 1, 1, 2]  # 2 = past the last sequence: the program exits
+    assert tile_idx.tolist()[:4] == [1, 0, 1, 0]
+    other = torch.tensor([0, 5, 10], dtype=torch.int32)  # equal values, another tensor: rebuilt
+    assert pmod._tile_map(other, 10, 4) is not pmod._tile_map(cu, 10, 4)
