@@ -42,6 +42,7 @@ def test_latency_accounting(int8_llm):
     r = recs[0]
     assert r["generated_tokens"] == N and r["decode_steps"] == N - 1
     assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["tok_s"] > 0
+    assert r["ttft_samples"] == 9 and r["ttft_ms_single"] > 0  # short prefills: the median of 9 more
     w, kv = r["weights"], r["kv_bytes_per_token"]
     # decode step producing token n (2..N) attends the prompt and the n - 1 tokens before it
     expected = sum(w["shared"] + w["embedding_row"] + kv * (P + n - 1) for n in range(2, N + 1)) / (N - 1)
