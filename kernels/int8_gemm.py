@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
+from eightbit.kernels.launch import FastLauncher, aligned
 
 
 @triton.jit
@@ -319,6 +320,7 @@ def _int8_gemv_kernel(
 # --- host side ----------------------------------------------------------------------------
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_launch_dot = FastLauncher(_int8_gemm_kernel)  # prefill launches it ~130 times a step: skip the re-binding
 _locks = {}
 _gemv_acc = {}
 
@@ -439,15 +441,19 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         locks = _lock_buffer(x_q.device, tiles)
     else:
         part = locks = x_q  # unused
-    _int8_gemm_kernel[(tiles, split_k)](
-        x_q, x_scale, w_q, w_scale, bias if bias is not None else w_scale, out, part, locks,
-        m, n, k,
-        x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
+    bias_arg = bias if bias is not None else w_scale
+    strides = (x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1))
+    # M is not specialized (do_not_specialize), so one compiled kernel serves every M
+    key = (x_q.device, cfg, split_k, n, k, strides, aligned(x_q, x_scale, w_q, w_scale, bias_arg, out, part, locks))
+    _launch_dot(key, (tiles, split_k), dict(
+        a_ptr=x_q, xs_ptr=x_scale, b_ptr=w_q, ws_ptr=w_scale, bias_ptr=bias_arg, c_ptr=out, part_ptr=part,
+        lock_ptr=locks, M=m, N=n, K=k,
+        stride_am=strides[0], stride_ak=strides[1], stride_bn=strides[2], stride_bk=strides[3],
+        stride_cm=strides[4], stride_cn=strides[5],
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-    )
+    ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
 
 

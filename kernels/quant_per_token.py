@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from eightbit.kernels.launch import FastLauncher, aligned
+
 QMAX = 127.0
 MAX_ROW = 65536  # the largest row one program holds in registers
 
@@ -89,6 +91,7 @@ def _quant_per_token_kernel(
 # --- host side ----------------------------------------------------------------------------
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_launch_quant = FastLauncher(_quant_per_token_kernel)
 
 
 def row_launch_params(n):
@@ -122,12 +125,11 @@ def quant_per_token(x):
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m > 0 and k > 0:
         block, num_warps = row_launch_params(k)
-        _quant_per_token_kernel[(m,)](
-            x2, q, scale,
-            k,
-            x2.stride(0), q.stride(0),
-            CUDA_SCALE=x.is_cuda, BLOCK_K=block, num_warps=num_warps, enable_fp_fusion=False,
-        )
+        key = (x.device, k, x2.stride(0), q.stride(0), aligned(x2, q, scale))
+        _launch_quant(key, (m,), dict(
+            x_ptr=x2, q_ptr=q, scale_ptr=scale, K=k, stride_xm=x2.stride(0), stride_qm=q.stride(0),
+            CUDA_SCALE=x.is_cuda, BLOCK_K=block,
+        ), num_warps=num_warps, enable_fp_fusion=False)
     elif m > 0:
         scale.zero_()
     return q.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)

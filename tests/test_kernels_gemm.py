@@ -344,6 +344,28 @@ def test_gemm_gpu_configs(cfg, shape):
 
 @gpu
 @needs_cuda
+def test_gemm_gpu_relaunch_cache_across_m_alignment_and_bias():
+    """The second launch of a shape skips Triton's binding (kernels/launch.py): one compiled kernel
+    for every M, a new one when an operand's alignment, the bias or the output dtype changes."""
+    g = _gen(5)
+    n, k = 96, 256
+    cfg = GemmConfig(64, 64, 128, group_m=8, split_k=1, num_warps=4, num_stages=2)
+    wq = _int8((n, k), g, "cuda")
+    ws = torch.rand(n, 1, generator=g).cuda() * 0.01
+    base = _int8((300, k + 4), g, "cuda")
+    for m, shift, with_bias, dtype in [(70, 0, False, torch.bfloat16), (33, 0, False, torch.bfloat16),
+                                       (300, 0, True, torch.bfloat16), (70, 1, False, torch.bfloat16),
+                                       (70, 4, True, torch.float16), (129, 0, False, torch.bfloat16)]:
+        xq = base[:m, shift:shift + k]  # shift 1: a 1-byte-aligned operand; stride(0) = k + 4 throughout
+        xs = torch.rand(m, 1, generator=g).cuda() * 0.01
+        bias = torch.randn(n, generator=g).cuda().to(dtype) if with_bias else None
+        out = int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, cfg)
+        ref = R.int8_gemm(xq, xs, wq, ws, bias, dtype)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-3, msg=f"m={m} shift={shift}")
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, 1, 8, 4, 4), GemmConfig(2, 16, 256, 1, 8, 4, 1, "gemv")],
                          ids=lambda c: c.kernel)
 def test_gemm_gpu_split_k_deterministic(cfg):

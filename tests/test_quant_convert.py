@@ -322,21 +322,26 @@ def test_shard_names_are_those_of_transformers_for_one_shard(converted, src, cal
 
 @pytest.mark.gpu
 def test_gpu_calibration_matches_cpu(tmp_path, src, calib):
-    """Calibrating on the GPU gives the CPU's checkpoint up to float rounding: the same alphas (or a
-    neighbour on the grid) and, where the alphas agree, int8 weights within one step and float32
-    scales within 1e-4 relative."""
+    """Calibrating on the GPU gives the CPU's checkpoint up to float rounding. The measured errors
+    agree (unsmoothed: the same inputs and weights; smoothed: each device's best on the grid, so
+    within a few percent even where a near-tie picks a neighbouring alpha), and in every layer whose
+    alphas agree the int8 weights differ by at most one step and the other tensors by rounding."""
     cpu = run(src, tmp_path / "cpu", calib, device="cpu")
     gpu = run(src, tmp_path / "gpu", calib, device="cuda")
     assert gpu["device"].startswith("cuda") and cpu["device"] == "cpu"
-    for lc, lg in zip(cpu["layers"], gpu["layers"]):
-        for point, rec in lc.items():
-            a, b = rec["alpha"], lg[point]["alpha"]
-            assert a == b or (a is not None and b is not None and abs(a - b) <= 0.05 + 1e-9), (point, a, b)
     tc, tg = all_tensors(tmp_path / "cpu"), all_tensors(tmp_path / "gpu")
     assert tc.keys() == tg.keys()
-    same_alphas = all(lc[p]["alpha"] == lg[p]["alpha"] for lc, lg in zip(cpu["layers"], gpu["layers"]) for p in lc)
-    if same_alphas:
+    for i, (lc, lg) in enumerate(zip(cpu["layers"], gpu["layers"])):
+        for point, rec in lc.items():
+            other = lg[point]
+            assert other["error_unsmoothed"] == pytest.approx(rec["error_unsmoothed"], rel=2e-2), (i, point)
+            assert other["error"] == pytest.approx(rec["error"], rel=5e-2), (i, point, rec, other)
+        if any(lc[p]["alpha"] != lg[p]["alpha"] for p in lc):
+            continue
+        prefix = f"model.layers.{i}."
         for name, t in tc.items():
+            if not name.startswith(prefix):
+                continue
             if t.dtype == torch.int8:
                 assert (t.int() - tg[name].int()).abs().max() <= 1, name
             else:  # bf16 tensors may round to a neighbouring value (one bf16 step, 2^-8 relative)
