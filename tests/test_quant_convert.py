@@ -1,7 +1,6 @@
 """End-to-end conversion of tiny random checkpoints: layout, exactness, atomicity, bad input."""
 
 import json
-import os
 
 import pytest
 import torch
