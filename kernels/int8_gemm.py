@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
-from eightbit.kernels.launch import FastLauncher, aligned
+from eightbit.kernels.launch import FastLauncher
 
 
 @triton.jit
@@ -443,9 +443,7 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         part = locks = x_q  # unused
     bias_arg = bias if bias is not None else w_scale
     strides = (x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1))
-    # M is not specialized (do_not_specialize), so one compiled kernel serves every M
-    key = (x_q.device, cfg, split_k, n, k, strides, aligned(x_q, x_scale, w_q, w_scale, bias_arg, out, part, locks))
-    _launch_dot(key, (tiles, split_k), dict(
+    _launch_dot((tiles, split_k), dict(
         a_ptr=x_q, xs_ptr=x_scale, b_ptr=w_q, ws_ptr=w_scale, bias_ptr=bias_arg, c_ptr=out, part_ptr=part,
         lock_ptr=locks, M=m, N=n, K=k,
         stride_am=strides[0], stride_ak=strides[1], stride_bn=strides[2], stride_bk=strides[3],

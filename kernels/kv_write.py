@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import KV_WRITE
+from .launch import FastLauncher
 
 
 @triton.jit
@@ -159,6 +160,9 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     return quant
 
 
+_launch_rope_kv = FastLauncher(_rope_kv_write_kernel)
+
+
 def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping, rope):
     quant = _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     t, hkv, d = k.shape
@@ -184,18 +188,19 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
     group = d // k_scale.shape[-1] if quant else d
-    _rope_kv_write_kernel[(t,)](
-        q, k, v, q_out, positions, cos_sin_cache,
-        k_cache, v_cache, ks, vs, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+    _launch_rope_kv((t,), dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, q_out_ptr=q_out, pos_ptr=positions, cos_sin_ptr=cos_sin_cache,
+        k_cache_ptr=k_cache, v_cache_ptr=v_cache, k_scale_ptr=ks, v_scale_ptr=vs, slot_ptr=slot_mapping,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+        stride_vt=v.stride(0), stride_vh=v.stride(1),
+        stride_ot=q_out.stride(0), stride_oh=q_out.stride(1), stride_cs=cos_sin_cache.stride(0),
+        stride_kcb=k_cache.stride(0), stride_kcp=k_cache.stride(1), stride_kch=k_cache.stride(2),
+        stride_vcb=v_cache.stride(0), stride_vcp=v_cache.stride(1), stride_vch=v_cache.stride(2),
+        stride_ksb=ks.stride(0), stride_ksp=ks.stride(1), stride_ksh=ks.stride(2),
+        stride_vsb=vs.stride(0), stride_vsp=vs.stride(1), stride_vsh=vs.stride(2),
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
         HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1], ROPE=rope, QUANT=quant,
-        **KV_WRITE,
-    )
+    ), **KV_WRITE)
     return q_out if rope else None
 
 

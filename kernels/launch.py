@@ -1,50 +1,82 @@
 """Relaunch a compiled Triton kernel without Triton's per-call argument binding.
 
 `kernel[grid](...)` costs ~20-30 µs of Python per launch (binding and specializing every
-argument, the cache key, the lookup) before the ~5 µs driver launch. A batch-1 prefill of
-Llama-3-8B launches ~300 Triton kernels and is host-bound because of it (GPU busy 11 ms of a
-~20 ms step on an H200). `FastLauncher` keeps the CompiledKernel the first launch returned,
-under a key the call site builds from everything that decides Triton's specialization, and
-launches it directly next time.
+argument, the cache key, the lookup) before the ~5 µs driver launch. An eager prefill step
+of Llama-3-8B launches ~300 Triton kernels and was host-bound because of it (H200: GPU busy
+~11 ms of a ~20 ms batch-1 step). `FastLauncher` keeps the CompiledKernel the first launch
+returned and launches it directly next time, under a key that mirrors what Triton
+specializes a kernel on:
 
-The key must determine the compiled kernel exactly: every constexpr and launch option, the
-exact value of every int argument (Triton specializes ints on == 1 and % 16), the dtype of
-every tensor argument and whether its address is 16-byte aligned (Triton specializes on
-that), and the device (a CUDA tensor's `.device` always carries its index). Call sites
-build it from their own shapes and configs.
+    constexpr parameter         its value
+    tensor                      dtype, and whether the address is 16-byte aligned
+    int                         == 1, % 16 == 0 (just the 32-bit range for do_not_specialize)
+    float                       nothing (always fp32)
+    anything else (bool, None)  its value
+    launch options              their values; and the current device
 
-Not used under the CPU interpreter (TRITON_INTERPRET=1), where every launch takes the normal path.
+so a launch that Triton would compile differently misses the cache and takes the normal
+path, which compiles (or finds) the right kernel. Under the CPU interpreter
+(TRITON_INTERPRET=1) every launch takes the normal path.
 """
 
 import os
 
+from torch import Tensor
 from triton import knobs
 from triton.runtime import driver
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+_I32 = (-(2**31), 2**31)
 
 
-def aligned(*tensors) -> tuple:
-    """(dtype, address % 16 == 0) of each tensor: what Triton specializes a pointer argument on."""
-    return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+def _int_key(v, specialize):
+    if not _I32[0] <= v < _I32[1]:
+        return ("wide int", v)  # another integer type: key on the value itself (rare)
+    return ("int", v == 1, v & 15 == 0) if specialize else ("int",)
+
+
+def arg_key(v, kind):
+    """What Triton specializes argument v on; kind: "const" or (specialize ints, specialize alignment)."""
+    if kind == "const":
+        return v
+    if isinstance(v, Tensor):
+        return ("tensor", v.dtype, kind[1] and v.data_ptr() & 15 == 0)
+    if type(v) is int:
+        return _int_key(v, kind[0])
+    if type(v) is float:
+        return ("float",)
+    return ("value", type(v), v)  # bool, None
 
 
 class FastLauncher:
     def __init__(self, jit_fn):
         self.fn = jit_fn
-        self.names = jit_fn.arg_names
         self.compiled = {}
+        if _INTERPRET:  # an InterpretedFunction: no compiled kernels to keep
+            return
+        self.names = jit_fn.arg_names
+        self.kinds = [  # per parameter: "const", or (specialize ints, specialize alignment)
+            "const" if p.is_constexpr else (not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+            for p in jit_fn.params
+        ]
 
-    def __call__(self, key, grid, args: dict, **options):
-        """Launch fn[grid](**args, **options); args must name every kernel parameter, constexprs too."""
-        kernel = None if _INTERPRET else self.compiled.get(key)
-        if kernel is None:
-            kernel = self.fn[grid](**args, **options)
-            if not _INTERPRET and hasattr(kernel, "packed_metadata"):
-                self.compiled[key] = kernel
+    def key(self, values, options) -> tuple:
+        return tuple(arg_key(v, kind) for v, kind in zip(values, self.kinds)), tuple(options.items())
+
+    def __call__(self, grid, args: dict, **options):
+        """fn[grid](**args, **options); args must name every kernel parameter, constexprs included."""
+        if _INTERPRET:
+            self.fn[grid](**args, **options)
             return
         values = [args[n] for n in self.names]
         device = driver.active.get_current_device()
+        key = (device, self.key(values, options))
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](**args, **options)
+            if hasattr(kernel, "packed_metadata"):
+                self.compiled[key] = kernel
+            return
         stream = driver.active.get_current_stream(device)
         g = tuple(grid) + (1,) * (3 - len(grid))
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import prefill_config
+from .launch import FastLauncher
 
 LOG2E = 1.4426950408889634
 
@@ -244,6 +245,7 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     return quant, group
 
 
+_launch_prefill = FastLauncher(_prefill_kernel)
 _last_tile_map = [None]  # ((cu_seqlens_q, its version, t, BLOCK_M), map) of the latest call
 
 
@@ -299,14 +301,16 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     hkv = k_cache.shape[2]
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
-    _prefill_kernel[(hq, bound)](
-        q, out, k_cache, v_cache, ks, vs,
-        block_tables, cu_seqlens_q, seq_lens, tile_seq, tile_idx,
-        float(softmax_scale) * LOG2E, b,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        block_tables.stride(0),
+    _launch_prefill((hq, bound), dict(
+        q_ptr=q, out_ptr=out, k_cache_ptr=k_cache, v_cache_ptr=v_cache, k_scale_ptr=ks, v_scale_ptr=vs,
+        block_tables_ptr=block_tables, cu_seqlens_ptr=cu_seqlens_q, seq_lens_ptr=seq_lens,
+        tile_seq_ptr=tile_seq, tile_idx_ptr=tile_idx,
+        qk_scale=float(softmax_scale) * LOG2E, num_seqs=b,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_cb=k_cache.stride(0), stride_cp=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_sb=ks.stride(0), stride_sp=ks.stride(1), stride_sh=ks.stride(2),
+        stride_bt=block_tables.stride(0),
         QPK=hq // hkv, HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, I8_VIA_BF16=i8_via_bf16(), **cfg,
-    )
+        BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, I8_VIA_BF16=i8_via_bf16(),
+    ), **cfg)
     return out

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eightbit.kernels.launch import FastLauncher, aligned
+from eightbit.kernels.launch import FastLauncher
 
 QMAX = 127.0
 MAX_ROW = 65536  # the largest row one program holds in registers
@@ -125,8 +125,7 @@ def quant_per_token(x):
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m > 0 and k > 0:
         block, num_warps = row_launch_params(k)
-        key = (x.device, k, x2.stride(0), q.stride(0), aligned(x2, q, scale))
-        _launch_quant(key, (m,), dict(
+        _launch_quant((m,), dict(
             x_ptr=x2, q_ptr=q, scale_ptr=scale, K=k, stride_xm=x2.stride(0), stride_qm=q.stride(0),
             CUDA_SCALE=x.is_cuda, BLOCK_K=block,
         ), num_warps=num_warps, enable_fp_fusion=False)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eightbit.kernels.launch import FastLauncher
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params
 
 
@@ -59,6 +60,9 @@ def _rmsnorm_kernel(
         tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
 
 
+_launch_rmsnorm = FastLauncher(_rmsnorm_kernel)
+
+
 def _launch(x, weight, eps, residual, quant):
     x2 = as_rows(x, "x")
     m, h = x2.shape
@@ -84,15 +88,14 @@ def _launch(x, weight, eps, residual, quant):
         q, scale = out, out  # unused by the kernel
     if m > 0 and h > 0:
         block, num_warps = row_launch_params(h)
-        _rmsnorm_kernel[(m,)](
-            x2, r2 if r2 is not None else x2, weight, out,
-            res_out if res_out is not None else x2, q, scale,
-            h, float(eps),
-            x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
-            res_out.stride(0) if res_out is not None else 0, q.stride(0),
+        _launch_rmsnorm((m,), dict(
+            x_ptr=x2, res_ptr=r2 if r2 is not None else x2, w_ptr=weight, out_ptr=out,
+            res_out_ptr=res_out if res_out is not None else x2, q_ptr=q, scale_ptr=scale,
+            H=h, eps=float(eps),
+            stride_x=x2.stride(0), stride_res=r2.stride(0) if r2 is not None else 0, stride_out=out.stride(0),
+            stride_res_out=res_out.stride(0) if res_out is not None else 0, stride_q=q.stride(0),
             HAS_RESIDUAL=residual is not None, QUANT=quant, CUDA_SCALE=x.is_cuda, BLOCK_H=block,
-            num_warps=num_warps, enable_fp_fusion=False,
-        )
+        ), num_warps=num_warps, enable_fp_fusion=False)
     elif quant:
         scale.zero_()
     new_res = res_out.reshape(x.shape) if res_out is not None else None

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eightbit.kernels.launch import FastLauncher
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params
 
 
@@ -52,6 +53,9 @@ def _silu_mul_kernel(
         tl.store(out_ptr + row * stride_out + offs, h, mask=mask)
 
 
+_launch_silu = FastLauncher(_silu_mul_kernel)
+
+
 def _launch(gate_up, quant):
     gu = as_rows(gate_up, "gate_up")
     m, two_i = gu.shape
@@ -68,12 +72,11 @@ def _launch(gate_up, quant):
         q, scale = out, out  # unused by the kernel
     if m > 0 and i > 0:
         block, num_warps = row_launch_params(i)
-        _silu_mul_kernel[(m,)](
-            gu, out, q, scale,
-            i,
-            gu.stride(0), out.stride(0), q.stride(0),
-            QUANT=quant, CUDA_SCALE=gate_up.is_cuda, BLOCK_I=block, num_warps=num_warps, enable_fp_fusion=False,
-        )
+        _launch_silu((m,), dict(
+            gu_ptr=gu, out_ptr=out, q_ptr=q, scale_ptr=scale, I=i,
+            stride_gu=gu.stride(0), stride_out=out.stride(0), stride_q=q.stride(0),
+            QUANT=quant, CUDA_SCALE=gate_up.is_cuda, BLOCK_I=block,
+        ), num_warps=num_warps, enable_fp_fusion=False)
     elif quant:
         scale.zero_()
     if quant:
