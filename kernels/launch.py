@@ -16,16 +16,19 @@ specializes a kernel on:
 
 so a launch that Triton would compile differently misses the cache and takes the normal
 path, which compiles (or finds) the right kernel. Under the CPU interpreter
-(TRITON_INTERPRET=1) every launch takes the normal path.
+(TRITON_INTERPRET=1), and on a Triton older than 3.4 (no `triton.knobs`), every launch takes the
+normal path. Written against Triton 3.6's CompiledKernel.run (the version the GPU runs).
 """
 
-import os
-
 from torch import Tensor
-from triton import knobs
 from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+try:  # the launch-hook settings moved to triton.knobs in 3.4; older Tritons take the normal path
+    from triton import knobs
+except ImportError:
+    knobs = None
+
 _I32 = (-(2**31), 2**31)
 
 
@@ -52,7 +55,9 @@ class FastLauncher:
     def __init__(self, jit_fn):
         self.fn = jit_fn
         self.compiled = {}
-        if _INTERPRET:  # an InterpretedFunction: no compiled kernels to keep
+        # TRITON_INTERPRET=1 makes triton.jit return an InterpretedFunction: nothing compiled to keep
+        self.enabled = knobs is not None and isinstance(jit_fn, JITFunction)
+        if not self.enabled:
             return
         self.names = jit_fn.arg_names
         self.kinds = [  # per parameter: "const", or (specialize ints, specialize alignment)
@@ -65,7 +70,7 @@ class FastLauncher:
 
     def __call__(self, grid, args: dict, **options):
         """fn[grid](**args, **options); args must name every kernel parameter, constexprs included."""
-        if _INTERPRET:
+        if not self.enabled:
             self.fn[grid](**args, **options)
             return
         values = [args[n] for n in self.names]

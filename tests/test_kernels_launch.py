@@ -7,11 +7,15 @@ import os
 import subprocess
 import sys
 
-import torch
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
+# like the other kernel tests, before triton is imported: triton reads it once, and the kernel
+# tests collected after this file need the interpreter
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from eightbit.kernels.launch import arg_key
+import torch  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+from eightbit.kernels.launch import arg_key  # noqa: E402
 
 _BASE = torch.zeros(256)
 SAMPLES = [
