@@ -325,19 +325,30 @@ _locks = {}
 _gemv_acc = {}
 
 
-def _gemv_acc_buffer(device, n):
-    """Per-device int32 split-K sums of the gemv kernel, zero between launches (each launch re-zeroes its rows)."""
+def _zeroed_scratch(cache, device, n, min_size, what):
+    """A per-device int32 buffer of >= n zeros, grown outside CUDA-graph capture only. The kernels
+    leave it zero again after each launch, so it is allocated once and reused."""
     key = (device.type, device.index)
-    buf = _gemv_acc.get(key)
+    buf = cache.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "int8_gemm: the split-K sum buffer must be allocated before CUDA-graph capture; "
+                f"int8_gemm: the split-K {what} must be allocated before CUDA-graph capture; "
                 "run one eager call of each shape first (warm-up)"
             )
-        buf = torch.zeros(max(n, 1 << 18), dtype=torch.int32, device=device)
-        _gemv_acc[key] = buf
+        buf = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
+        cache[key] = buf
     return buf
+
+
+def _gemv_acc_buffer(device, n):
+    """Per-device int32 split-K sums of the gemv kernel (each launch re-zeroes its rows)."""
+    return _zeroed_scratch(_gemv_acc, device, n, 1 << 18, "sum buffer")
+
+
+def _lock_buffer(device, n):
+    """Per-device split-K tile counters (each launch resets its own)."""
+    return _zeroed_scratch(_locks, device, n, 1 << 16, "counters")
 
 
 def gemv_ok(x_q, w_q):
@@ -369,22 +380,6 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
     return out
-
-
-def _lock_buffer(device, n):
-    """Per-device split-K tile counters, zero between launches (each launch resets its own)."""
-    key = (device.type, device.index)
-    buf = _locks.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "int8_gemm: the split-K counters must be allocated before CUDA-graph capture; "
-                "run one eager call of each shape first (warm-up)"
-            )
-        size = max(n, 1 << 16)
-        buf = torch.zeros(size, dtype=torch.int32, device=device)
-        _locks[key] = buf
-    return buf
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):
