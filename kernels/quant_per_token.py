@@ -103,6 +103,16 @@ def row_launch_params(n):
     return block, num_warps
 
 
+def row_outputs(m, n, dtype, device, quant):
+    """(out, q, scale) of a one-row-per-program kernel: int8 q [m, n] and float32 scale [m, 1] when
+    quant, else out [m, n] in dtype. The outputs the kernel does not write alias one that exists."""
+    if quant:
+        q = torch.empty((m, n), dtype=torch.int8, device=device)
+        return q, q, torch.empty((m, 1), dtype=torch.float32, device=device)
+    out = torch.empty((m, n), dtype=dtype, device=device)
+    return out, out, out
+
+
 def as_rows(x, name):
     """View x [..., K] as 2-D rows [M, K] with a contiguous last dimension (no copy if possible)."""
     if x.dim() < 1:
@@ -121,8 +131,7 @@ def quant_per_token(x):
     """x [..., K] -> (int8 [..., K], float32 scale [..., 1]). Same as reference.quant_per_token."""
     x2 = as_rows(x, "x")
     m, k = x2.shape
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _, q, scale = row_outputs(m, k, None, x.device, quant=True)
     if m > 0 and k > 0:
         block, num_warps = row_launch_params(k)
         _launch_quant((m,), dict(

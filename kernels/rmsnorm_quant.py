@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
-from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params
+from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
 @triton.jit
@@ -79,13 +79,7 @@ def _launch(x, weight, eps, residual, quant):
             raise ValueError(f"residual is on {residual.device}, x on {x.device}")
         r2 = as_rows(residual, "residual")
         res_out = torch.empty((m, h), dtype=x.dtype, device=x.device)
-    if quant:
-        q = torch.empty((m, h), dtype=torch.int8, device=x.device)
-        scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        out = q  # unused by the kernel
-    else:
-        out = torch.empty((m, h), dtype=x.dtype, device=x.device)
-        q, scale = out, out  # unused by the kernel
+    out, q, scale = row_outputs(m, h, x.dtype, x.device, quant)
     if m > 0 and h > 0:
         block, num_warps = row_launch_params(h)
         _launch_rmsnorm((m,), dict(

@@ -14,12 +14,11 @@ that is 4 bytes in and 1 byte out per bf16 output element, and the [M, I]
 intermediate never reaches memory.
 """
 
-import torch
 import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
-from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params
+from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
 @triton.jit
@@ -63,13 +62,7 @@ def _launch(gate_up, quant):
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got {two_i}")
     i = two_i // 2
     lead = gate_up.shape[:-1]
-    if quant:
-        q = torch.empty((m, i), dtype=torch.int8, device=gate_up.device)
-        scale = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
-        out = q  # unused by the kernel
-    else:
-        out = torch.empty((m, i), dtype=gate_up.dtype, device=gate_up.device)
-        q, scale = out, out  # unused by the kernel
+    out, q, scale = row_outputs(m, i, gate_up.dtype, gate_up.device, quant)
     if m > 0 and i > 0:
         block, num_warps = row_launch_params(i)
         _launch_silu((m,), dict(
