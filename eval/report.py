@@ -151,6 +151,12 @@ def ppl_chart(rows, path, title="WikiText-2 perplexity") -> Path | None:
         ax2.set_xlabel("KV bytes per token")
         ax2.set_ylabel("perplexity")
         ax2.set_title("int8 KV: group size sweep")
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,9 +187,4 @@ def tasks_chart(rows, tasks, path) -> Path | None:
         lo = min(vals) - 5 if vals else 0
         ax.set_xlim(max(0, lo), max(vals) + 3 if vals else 100)
         ax.set_title(f"{task} {metric} (%)")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
