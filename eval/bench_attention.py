@@ -51,37 +51,29 @@ def time_graph(fns, min_ms=60.0):
         for f in fns:
             f()
     g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    g.replay()
-    torch.cuda.synchronize()
-    one = (time.perf_counter() - t0) * 1e3
-    reps = max(3, min(40, int(min_ms / max(one, 1e-3))))
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        st[i].record()
-        g.replay()
-        en[i].record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in zip(st, en))
+    ms = _median_ms(g.replay, min_ms, max_reps=40)
     del g
-    return times[len(times) // 2] / len(fns)
+    return ms / len(fns)
 
 
 def time_eager(fn, min_ms=100.0):
     fn()
+    return _median_ms(fn, min_ms, max_reps=30)
+
+
+def _median_ms(run, min_ms, max_reps):
+    """Median CUDA-event ms of run(): one timed call sizes the repetitions to about min_ms (3..max_reps)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    run()
     torch.cuda.synchronize()
     one = (time.perf_counter() - t0) * 1e3
-    reps = max(3, min(30, int(min_ms / max(one, 1e-3))))
+    reps = max(3, min(max_reps, int(min_ms / max(one, 1e-3))))
     st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         st[i].record()
-        fn()
+        run()
         en[i].record()
     torch.cuda.synchronize()
     times = sorted(a.elapsed_time(b) for a, b in zip(st, en))
@@ -440,7 +432,6 @@ DECODE_GOAL_SHAPES = [(b, c) for b in (1, 16, 64, 256) for c in (2048, 8192, 327
 def decode_goal(results, save, old_dir, bw):
     import importlib
 
-    from eightbit.kernels import attention_configs as C
     from eightbit.kernels.decode_attention import decode_attention
 
     precompile([("decode", 128, "int8", c) for c in DECODE_GOAL_CANDIDATES])  # before old_dir is on sys.path
