@@ -207,6 +207,20 @@ def measure_copy_bandwidth(device="cuda", nbytes=1 << 30, iters=10) -> dict:
 # --- environment, records ----------------------------------------------------------------
 
 
+def kernel_times(events) -> dict:
+    """{kernel name: [total µs, launches]} from torch.profiler events (`prof.events()`), counting
+    device-side events only: the CPU ops that launched them report the same time again."""
+    from torch.autograd import DeviceType
+
+    kernels = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.time_range.elapsed_us()
+            k[1] += 1
+    return kernels
+
+
 def environment(device) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
     try:

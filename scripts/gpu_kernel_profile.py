@@ -9,6 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from eightbit import LLM, SamplingParams
+from eightbit.eval.bench_common import kernel_times
 
 model = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 opts = dict(quantization="w8a8", kv_cache_dtype="int8") if "int8" in sys.argv[2:] else {}
@@ -19,9 +20,8 @@ steps = 32
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
-events = [e for e in prof.key_averages() if e.device_time_total > 0]
-events.sort(key=lambda e: -e.device_time_total)
-total = sum(e.device_time_total for e in events)
+kernels = kernel_times(prof.events())
+total = sum(us for us, _ in kernels.values())
 print(f"{model} {opts}: GPU time per decode step ~{total / steps / 1000:.3f} ms (incl. one 512-token prefill)")
-for e in events[:25]:
-    print(f"{e.device_time_total / steps:9.1f} us/step  {e.count / steps:6.1f} calls/step  {e.key[:90]}")
+for name, (us, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]:
+    print(f"{us / steps:9.1f} us/step  {calls / steps:6.1f} calls/step  {name[:90]}")

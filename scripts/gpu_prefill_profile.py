@@ -12,10 +12,10 @@ import sys
 import time
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from eightbit import LLM, SamplingParams
+from eightbit.eval.bench_common import kernel_times
 
 model = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
 prompt_len = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 512
@@ -37,12 +37,7 @@ for name, opts in SYSTEMS.items():
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompt, params, use_tqdm=False)
         torch.cuda.synchronize()
-    kernels = {}  # name -> [total us, calls]; only device-side events, so nothing is counted twice
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            k = kernels.setdefault(e.name, [0.0, 0])
-            k[0] += e.time_range.elapsed_us()
-            k[1] += 1
+    kernels = kernel_times(prof.events())
     gpu = sum(v[0] for v in kernels.values()) / 1e3
     print(f"\n== {model} {name}: prefill {prompt_len} tokens, wall {wall:.2f} ms, GPU busy {gpu:.2f} ms")
     for kname, (us, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]:

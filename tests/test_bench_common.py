@@ -78,3 +78,18 @@ def test_table_and_records(tmp_path):
     recs = load_records([tmp_path, tmp_path / "missing"])
     assert [r["v"] for r in recs] == [1, 2, 3]
     assert [r["v"] for r in latest(recs, lambda r: r["k"])] == [3, 2]
+
+
+def test_kernel_times_counts_device_events_once():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from eightbit.eval.bench_common import kernel_times
+
+    def ev(name, dev, us):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [ev("aten::mm", DeviceType.CPU, 30.0), ev("gemm", DeviceType.CUDA, 20.0),
+              ev("gemm", DeviceType.CUDA, 22.0), ev("norm", DeviceType.CUDA, 3.0)]
+    assert kernel_times(events) == {"gemm": [42.0, 2], "norm": [3.0, 1]}
