@@ -23,6 +23,7 @@ from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme
 
 CPU_KV_CACHE_GB = 1.0
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
+MAX_GRAPH_PREFILL = 1024  # one-sequence prefills of more new tokens run eagerly (they are GPU-bound)
 GRAPH_RESERVE_BYTES = 512 * 2**20  # CUDA graphs' own pool and workspace, kept out of the KV budget
 
 
@@ -41,7 +42,8 @@ class LLMEngine:
         self.runner.block_manager = self.block_manager
         self.runner.allocate_kv_cache(num_blocks, self.kv_dtype, self.kv_group_size)
         if self.on_cuda and not config.enforce_eager:
-            self.runner.capture_decode_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH), self.max_model_len)
+            self.runner.capture_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH), self.max_model_len,
+                                       min(config.max_num_batched_tokens, self.max_model_len, MAX_GRAPH_PREFILL))
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests = {}  # request_id -> Request, until finished
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)

@@ -66,16 +66,20 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_cache = None
-        self.decode_graphs = None  # DecodeGraphs once captured (CUDA only)
+        self.decode_graphs = self.prefill_graphs = None  # CUDA graphs once captured (CUDA only)
 
-    def capture_decode_graphs(self, max_batch, max_model_len):
-        from eightbit.engine.cuda_graphs import DecodeGraphs
+    def capture_graphs(self, max_batch, max_model_len, max_prefill_tokens):
+        """Decode graphs for batches up to max_batch; prefill graphs for one sequence of up to
+        max_prefill_tokens new tokens (none if that is below the smallest bucket)."""
+        from eightbit.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
 
-        hidden_size = self.model.config.hidden_size
-        dtype = self.model.model.embed_tokens.weight.dtype
-        width = -(-max_model_len // self.block_size)
-        self.decode_graphs = DecodeGraphs(self.model, max_batch, width, hidden_size, dtype, self.device)
-        self.decode_graphs.capture()
+        shape = (-(-max_model_len // self.block_size), self.model.config.hidden_size,
+                 self.model.model.embed_tokens.weight.dtype, self.device)
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, *shape)
+        pool = self.decode_graphs.capture()
+        if token_buckets(max_prefill_tokens):
+            self.prefill_graphs = PrefillGraphs(self.model, max_prefill_tokens, *shape)
+            self.prefill_graphs.capture(pool)
 
     def allocate_kv_cache(self, num_blocks, dtype, group_size=None):
         attn = self.model.attention_layers()
@@ -90,14 +94,25 @@ class ModelRunner:
         if copies:
             self.kv_cache.copy_blocks(copies)
         input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled)
-        graphs = self.decode_graphs
-        if context.is_decode and graphs is not None and graphs.fits(len(input_ids), context.block_tables.shape[1]):
-            hidden = graphs.run(input_ids, positions, context.slot_mapping, context.block_tables, context.seq_lens)
-        else:
+        hidden = self._run_graph(input_ids, positions, context)
+        if hidden is None:
             hidden = self._run_eager(input_ids, positions, context)
         rows = sample_rows.to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[rows]) if sample_seqs else None
         return StepResult(sample_seqs, logits, self._prompt_logprobs(scheduled, hidden))
+
+    def _run_graph(self, input_ids, positions, context):
+        """Replay a captured graph if one fits the step; None if the step must run eagerly."""
+        n, width = len(input_ids), context.block_tables.shape[1]
+        graphs = self.decode_graphs if context.is_decode else self.prefill_graphs
+        if graphs is None:
+            return None
+        if context.is_decode and graphs.fits(n, width):
+            return graphs.run(input_ids, positions, context.slot_mapping, context.block_tables, context.seq_lens)
+        if not context.is_decode and graphs.fits(len(context.seq_lens), n, width):
+            return graphs.run(input_ids, positions, context.slot_mapping, context.block_tables,
+                              int(context.seq_lens[0]))
+        return None
 
     def _run_eager(self, input_ids, positions, context):
         dev = self.device

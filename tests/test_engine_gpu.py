@@ -1,0 +1,64 @@
+"""The engine's CUDA graphs against its eager path (GPU only: `pytest -m gpu`).
+
+A graph pads its step (decode: to a batch bucket; prefill: to a token bucket, the padding
+rows forming a second sequence that writes nowhere), so these check that padding never
+reaches the real rows or another sequence's cache: prompt log-probs (every prompt position
+goes through the prefill graph) and greedy continuations must match an eager engine's.
+"""
+
+import pytest
+import torch
+
+from eightbit import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+# lengths around the buckets (16, 32, 64, 128, 256, ...), and 1100 > MAX_GRAPH_PREFILL (eager)
+PROMPT_LENGTHS = (1, 15, 16, 17, 100, 129, 700, 1024, 1100)
+CONFIGS = {"bf16": {}, "w8a8+kv8": dict(quantization="w8a8", kv_cache_dtype="int8")}
+
+
+def _prompt(i, n):
+    return [(7 * i + 3 * j) % 1000 + 1 for j in range(n)]
+
+
+def _first_values(dicts):
+    """The logprob of the chosen token at each position (entry 0 of a prompt's list is None)."""
+    return torch.tensor([next(iter(d.values())) for d in dicts if d is not None])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gpu_graphs_match_eager(name):
+    opts = dict(load_format="dummy", gpu_memory_utilization=0.2, **CONFIGS[name])
+    scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    cached = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)  # may hit the prefix cache
+    requests = [(_prompt(i, n), scored) for i, n in enumerate(PROMPT_LENGTHS)]
+    # a prefix-cache hit: the second request prefills a 60-token chunk after 640 cached tokens
+    requests += [(_prompt(50, 700), cached), (_prompt(50, 700)[:640] + _prompt(51, 60), cached)]
+
+    eager = LLM("llama-tiny", enforce_eager=True, **opts)
+    want = [eager.generate([p], sp, use_tqdm=False)[0] for p, sp in requests]  # one-sequence prefills
+    del eager
+    torch.cuda.empty_cache()
+
+    llm = LLM("llama-tiny", **opts)
+    graphs = llm.engine.runner.prefill_graphs
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a: replays.append(a[0].shape[0]) or run(*a)
+    got = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in requests]
+
+    # every one-sequence prefill of 2..1024 tokens went through a graph, the 1100-token one did not
+    # (a 1-token prompt is a decode step)
+    assert sorted(replays) == sorted([n for n in PROMPT_LENGTHS if 1 < n <= 1024] + [700, 60])
+    # same weights (seeded) and kernels on the real rows, but a graph's GEMMs see the bucket's M
+    # (another tile config, or cuBLAS algorithm for bf16), so the float epilogues may round differently
+    tol = 2e-2 if name == "bf16" else 2e-3
+    for (p, _), w, g in zip(requests, want, got):
+        msg = f"prompt of {len(p)} tokens"
+        assert g.outputs[0].token_ids[:4] == w.outputs[0].token_ids[:4], msg
+        torch.testing.assert_close(_first_values(g.outputs[0].logprobs), _first_values(w.outputs[0].logprobs),
+                                   atol=tol, rtol=0, msg=msg)
+        if g.prompt_logprobs is not None and len(p) > 1:
+            torch.testing.assert_close(_first_values(g.prompt_logprobs), _first_values(w.prompt_logprobs),
+                                       atol=tol, rtol=0, msg=msg)

@@ -1,0 +1,105 @@
+"""The CUDA-graph steps' padding, checked on the CPU.
+
+A graph runs its step from static buffers padded to a bucket: decode pads the batch with
+length-0 sequences, prefill pads the tokens with a second sequence whose slots are -1. On
+the CPU nothing can be captured, so `EagerReplay` stands in for the graph and runs the same
+forward from the same buffers, with the reference ops; the engine must give the same tokens
+and log-probs as its plain eager path, and padding must never write to the cache.
+(`tests/test_engine_gpu.py` checks the real graphs on a GPU.)
+"""
+
+import torch
+
+from eightbit import LLM, SamplingParams
+from eightbit.engine.context import reset_context, set_context
+from eightbit.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, batch_buckets, token_buckets
+
+OPTIONS = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
+
+
+class EagerReplay:
+    """A captured graph's forward, run eagerly from its static buffers."""
+
+    def __init__(self, graphs, size):
+        self.graphs, self.size = graphs, size
+
+    def replay(self):
+        set_context(self.graphs._context(self.size, warm_up=False))
+        try:
+            self.graphs._forward(self.size)
+        finally:
+            reset_context()
+
+
+def _with_fake_graphs(llm, max_batch, max_prefill):
+    runner = llm.engine.runner
+    shape = (-(-llm.engine.max_model_len // runner.block_size), runner.model.config.hidden_size,
+             torch.float32, runner.device)
+    runner.decode_graphs = DecodeGraphs(runner.model, max_batch, *shape)
+    runner.prefill_graphs = PrefillGraphs(runner.model, max_prefill, *shape)
+    replays = []
+    for graphs in (runner.decode_graphs, runner.prefill_graphs):
+        graphs.graphs = {size: EagerReplay(graphs, size) for size in graphs.buckets}
+        run = graphs.run
+        graphs.run = lambda *a, run=run, kind=type(graphs).__name__: replays.append((kind, len(a[0]))) or run(*a)
+    return replays
+
+
+def _prompt(i, n):
+    return [(7 * i + 3 * j) % 1000 + 1 for j in range(n)]
+
+
+def _chosen(dicts):
+    return torch.tensor([next(iter(d.values())) for d in dicts if d is not None])
+
+
+def test_buckets():
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert token_buckets(300) == [16, 32, 64, 128, 256, 300]
+    assert token_buckets(1024)[-3:] == [768, 896, 1024]
+    assert token_buckets(10) == []
+
+
+def test_graph_padding_matches_eager_cpu():
+    scored = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    cached = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+    requests = [([_prompt(i, n)], scored) for i, n in enumerate((1, 5, 16, 17, 40, 200, 300))]
+    # a prefix-cache hit (a 20-token chunk after 96 cached tokens), then a batch of 3 (decode bucket 4)
+    requests += [([_prompt(50, 100)], cached), ([_prompt(50, 100)[:96] + _prompt(51, 20)], cached)]
+    requests += [([_prompt(60 + i, 9 + i) for i in range(3)], cached)]
+
+    ref = LLM("llama-tiny", **OPTIONS)
+    want = [ref.generate(p, sp, use_tqdm=False) for p, sp in requests]
+    llm = LLM("llama-tiny", **OPTIONS)
+    replays = _with_fake_graphs(llm, max_batch=8, max_prefill=256)
+    got = [llm.generate(p, sp, use_tqdm=False) for p, sp in requests]
+
+    prefills = sorted(n for kind, n in replays if kind == "PrefillGraphs")
+    # one-sequence prefills up to 256 tokens (300 and the batch of 3 run eagerly; a 1-token prompt
+    # is a decode step)
+    assert prefills == sorted([5, 16, 17, 40, 200, 100, 20])
+    assert ("DecodeGraphs", 3) in replays and ("DecodeGraphs", 1) in replays
+    for (prompts, _), w_outs, g_outs in zip(requests, want, got):
+        for p, w, g in zip(prompts, w_outs, g_outs):
+            msg = f"prompt of {len(p)} tokens"
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids, msg
+            torch.testing.assert_close(_chosen(g.outputs[0].logprobs), _chosen(w.outputs[0].logprobs),
+                                       atol=1e-4, rtol=0, msg=msg)
+            if g.prompt_logprobs is not None and len(p) > 1:
+                torch.testing.assert_close(_chosen(g.prompt_logprobs), _chosen(w.prompt_logprobs),
+                                           atol=1e-4, rtol=0, msg=msg)
+
+
+def test_prefill_padding_writes_nowhere_cpu():
+    llm = LLM("llama-tiny", **OPTIONS)
+    _with_fake_graphs(llm, max_batch=4, max_prefill=64)
+    cache = llm.engine.runner.kv_cache
+    cache.k.zero_()
+    cache.v.zero_()
+    llm.generate([_prompt(0, 20)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    # 20 tokens padded to the 32-token bucket: exactly 20 slots (all in the first 2 blocks) were written
+    written = (cache.k[0] != 0).any(-1).any(-1).flatten().nonzero().flatten().tolist()
+    table = llm.engine.runner.prefill_graphs.block_tables[0, :2].tolist()
+    bs = llm.engine.runner.block_size
+    assert written == sorted(b * bs + o for b in table for o in range(bs) if (table.index(b) * bs + o) < 20)
