@@ -6,10 +6,13 @@ reaches the real rows or another sequence's cache: prompt log-probs (every promp
 goes through the prefill graph) and greedy continuations must match an eager engine's.
 """
 
+import gc
+
 import pytest
 import torch
 
 from eightbit import LLM, SamplingParams
+from eightbit.engine.cuda_graphs import PrefillGraphs
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +31,9 @@ def _first_values(dicts):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_gpu_graphs_match_eager(name):
+def test_gpu_graphs_match_eager(name, monkeypatch):
+    gc.collect()  # an engine left by an earlier test would count as this one's activations
+    torch.cuda.empty_cache()
     opts = dict(load_format="dummy", gpu_memory_utilization=0.2, **CONFIGS[name])
     scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     cached = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)  # may hit the prefix cache
@@ -39,13 +44,13 @@ def test_gpu_graphs_match_eager(name):
     eager = LLM("llama-tiny", enforce_eager=True, **opts)
     want = [eager.generate([p], sp, use_tqdm=False)[0] for p, sp in requests]  # one-sequence prefills
     del eager
+    gc.collect()
     torch.cuda.empty_cache()
 
-    llm = LLM("llama-tiny", **opts)
-    graphs = llm.engine.runner.prefill_graphs
     replays = []
-    run = graphs.run
-    graphs.run = lambda *a: replays.append(a[0].shape[0]) or run(*a)
+    run = PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run", lambda self, *a: replays.append(a[0].shape[0]) or run(self, *a))
+    llm = LLM("llama-tiny", **opts)
     got = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in requests]
 
     # every one-sequence prefill of 2..1024 tokens went through a graph, the 1100-token one did not
