@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import REDUCE, decode_config, decode_num_splits
+from .launch import FastLauncher, pdl_begin
 from .prefill_attention import LOG2E, check_attention_inputs, i8_via_bf16
 
 
@@ -57,8 +58,9 @@ def _decode_kernel(
     # sizes and modes
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -155,8 +157,9 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -171,6 +174,10 @@ def _decode_reduce_kernel(
     wsum = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, res.to(out_ptr.dtype.element_ty))
+
+
+_launch_decode = FastLauncher(_decode_kernel)
+_launch_reduce = FastLauncher(_decode_reduce_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,18 +228,20 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     # rows of the (group-expanded, for int8) Q tile: QPK_PAD * (D / G) >= 16 for tl.dot
     ng = d // group if quant else 1
     qpk_pad = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng))
-    _decode_kernel[(hkv, bsz, splits)](
-        q, out, part_out, part_lse, k_cache, v_cache, ks, vs, block_tables, seq_lens,
-        float(softmax_scale) * LOG2E, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        block_tables.stride(0),
+    _launch_decode((hkv, bsz, splits), dict(
+        q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        k_scale_ptr=ks, v_scale_ptr=vs, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
+        qk_scale=float(softmax_scale) * LOG2E, num_splits=splits,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
+        stride_cb=k_cache.stride(0), stride_cp=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_sb=ks.stride(0), stride_sp=ks.stride(1), stride_sh=ks.stride(2), stride_bt=block_tables.stride(0),
         QPK=qpk, QPK_PAD=qpk_pad, HQ=hq, HEAD_DIM=d, GROUP=group,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, I8_VIA_BF16=i8_via_bf16(), **cfg,
-    )
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, I8_VIA_BF16=i8_via_bf16(),
+    ), **cfg)
     if splits > 1:
-        _decode_reduce_kernel[(bsz, hq)](
-            part_out, part_lse, out, splits, out.stride(0), out.stride(1),
-            HQ=hq, HEAD_DIM=d, SPLITS_PAD=triton.next_power_of_2(splits), **REDUCE,
-        )
+        _launch_reduce((bsz, hq), dict(
+            part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
+            stride_ob=out.stride(0), stride_oh=out.stride(1),
+            HQ=hq, HEAD_DIM=d, SPLITS_PAD=triton.next_power_of_2(splits),
+        ), **REDUCE)
     return out

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
-from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.launch import FastLauncher, pdl_begin
 
 
 @triton.jit
@@ -79,7 +79,9 @@ def _int8_gemm_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -207,8 +209,10 @@ def _int8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == 1 or BLOCK_M == 2 or BLOCK_M == 4 or BLOCK_M == 8)
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -321,6 +325,7 @@ def _int8_gemv_kernel(
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _launch_dot = FastLauncher(_int8_gemm_kernel)  # prefill launches it ~130 times a step: skip the re-binding
+_launch_gemv_kernel = FastLauncher(_int8_gemv_kernel)
 _locks = {}
 _gemv_acc = {}
 
@@ -370,15 +375,14 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
         locks = _lock_buffer(x_q.device, grid[0] * grid[2])
     else:
         acc = locks = x32  # unused
-    _int8_gemv_kernel[grid](
-        x32, x_scale, w32, w_scale, bias if bias is not None else w_scale, out, acc, locks,
-        m, n, kw,
-        x_q.stride(0) // 4, w_q.stride(0) // 4, out.stride(0), out.stride(1),
+    _launch_gemv_kernel(grid, dict(
+        a_ptr=x32, xs_ptr=x_scale, b_ptr=w32, ws_ptr=w_scale, bias_ptr=bias if bias is not None else w_scale,
+        c_ptr=out, acc_ptr=acc, lock_ptr=locks, M=m, N=n, KW=kw,
+        stride_am=x_q.stride(0) // 4, stride_bn=w_q.stride(0) // 4, stride_cm=out.stride(0), stride_cn=out.stride(1),
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw, SPLIT_K=split_k, EVEN_K=(kw % bkw == 0),
         USE_ASM=x_q.device.type == "cuda",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-    )
+    ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
 
 
