@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import REDUCE, decode_config, decode_num_splits
-from .launch import FastLauncher, pdl_begin
+from .launch import FastLauncher
 from .prefill_attention import LOG2E, check_attention_inputs, i8_via_bf16
 
 
@@ -58,9 +58,8 @@ def _decode_kernel(
     # sizes and modes
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr,
 ):
-    pdl_begin(PDL)
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -157,9 +156,8 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
-from eightbit.kernels.launch import FastLauncher, pdl_begin
+from eightbit.kernels.launch import FastLauncher
 
 
 @triton.jit
@@ -79,9 +79,7 @@ def _int8_gemm_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -209,10 +207,8 @@ def _int8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == 1 or BLOCK_M == 2 or BLOCK_M == 4 or BLOCK_M == 8)
-    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import KV_WRITE
-from .launch import FastLauncher, pdl_begin
+from .launch import FastLauncher
 
 
 @triton.jit
@@ -76,9 +76,8 @@ def _rope_kv_write_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     # modes
-    ROPE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, QUANT: tl.constexpr,
 ):
-    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HEAD_DIM)

@@ -18,25 +18,9 @@ so a launch that Triton would compile differently misses the cache and takes the
 path, which compiles (or finds) the right kernel. Under the CPU interpreter
 (TRITON_INTERPRET=1), and on a Triton older than 3.4 (no `triton.knobs`), every launch takes the
 normal path. Written against Triton 3.6's CompiledKernel.run (the version the GPU runs).
-
-Programmatic dependent launch (PDL, Hopper and newer). A decode step runs ~11 small kernels
-per layer back to back; without PDL each one starts only after the previous one has fully
-drained, so every boundary costs a launch plus a ramp-up. A kernel that has a `PDL` constexpr
-parameter is launched with `launch_pdl=True` on sm_90+ and begins with `pdl_begin(PDL)`: it
-may start (be made resident) while its predecessor runs, then waits in `griddepcontrol.wait`
-until the predecessor has completed and its writes are visible, and at once lets its own
-successor start. The rule that keeps this correct: `pdl_begin` is the kernel's FIRST
-statement, before any load, store or early return, so no kernel touches memory, or
-completes, before the one launched ahead of it has completed. `EIGHTBIT_PDL=0` turns it off.
 """
 
-import functools
-import os
-
-import triton
-import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
@@ -67,30 +51,10 @@ def arg_key(v, kind):
     return ("value", type(v), v)  # bool, None
 
 
-@triton.jit
-def pdl_begin(PDL: tl.constexpr):
-    """The first statement of a kernel with a PDL parameter (see the module docstring)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-_PDL_SWITCH = os.environ.get("EIGHTBIT_PDL", "1") != "0"
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_enabled(device_index) -> bool:
-    """PDL for compiled launches on this CUDA device: sm_90+, unless EIGHTBIT_PDL=0."""
-    import torch
-
-    return _PDL_SWITCH and torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 class FastLauncher:
     def __init__(self, jit_fn):
         self.fn = jit_fn
         self.compiled = {}
-        self.has_pdl = "PDL" in getattr(jit_fn, "arg_names", ())
         # TRITON_INTERPRET=1 makes triton.jit return an InterpretedFunction: nothing compiled to keep
         self.enabled = knobs is not None and isinstance(jit_fn, JITFunction)
         if not self.enabled:
@@ -105,18 +69,12 @@ class FastLauncher:
         return tuple(arg_key(v, kind) for v, kind in zip(values, self.kinds)), tuple(options.items())
 
     def __call__(self, grid, args: dict, **options):
-        """fn[grid](**args, **options); args must name every kernel parameter, constexprs included,
-        except PDL, which is added here (with the launch option) for a kernel that has it."""
+        """fn[grid](**args, **options); args must name every kernel parameter, constexprs included."""
         if not self.enabled:
-            self.fn[grid](**(args | {"PDL": False} if self.has_pdl else args), **options)
+            self.fn[grid](**args, **options)
             return
-        device = driver.active.get_current_device()
-        if self.has_pdl:
-            pdl = pdl_enabled(device)
-            args = args | {"PDL": pdl}
-            if pdl:
-                options = options | {"launch_pdl": True}
         values = [args[n] for n in self.names]
+        device = driver.active.get_current_device()
         key = (device, self.key(values, options))
         kernel = self.compiled.get(key)
         if kernel is None:

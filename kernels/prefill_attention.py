@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import prefill_config
-from .launch import FastLauncher, pdl_begin
+from .launch import FastLauncher
 
 LOG2E = 1.4426950408889634
 
@@ -142,9 +142,7 @@ def _prefill_kernel(
     # sizes and modes
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     h = tl.program_id(0)
     tile = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)

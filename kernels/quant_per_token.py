@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eightbit.kernels.launch import FastLauncher, pdl_begin
+from eightbit.kernels.launch import FastLauncher
 
 QMAX = 127.0
 MAX_ROW = 65536  # the largest row one program holds in registers
@@ -78,9 +78,7 @@ def _quant_per_token_kernel(
     # meta-parameters
     CUDA_SCALE: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K

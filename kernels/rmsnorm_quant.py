@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eightbit.kernels.launch import FastLauncher, pdl_begin
+from eightbit.kernels.launch import FastLauncher
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
@@ -38,9 +38,7 @@ def _rmsnorm_kernel(
     QUANT: tl.constexpr,
     CUDA_SCALE: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H

@@ -17,7 +17,7 @@ intermediate never reaches memory.
 import triton
 import triton.language as tl
 
-from eightbit.kernels.launch import FastLauncher, pdl_begin
+from eightbit.kernels.launch import FastLauncher
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
@@ -33,9 +33,7 @@ def _silu_mul_kernel(
     QUANT: tl.constexpr,
     CUDA_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_I)
     mask = offs < I

@@ -34,7 +34,6 @@ SCRIPT = textwrap.dedent(
              "stride_bt", "stride_qt", "stride_ot")
 
     def build(name, fn, ptrs, scalars, consts, opts):
-        consts, opts = {**consts, "PDL": True}, {**opts, "launch_pdl": True}  # as launched on sm_90
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in ptrs or a in DIV16}
         sig = {}
         for a in fn.arg_names:

@@ -38,7 +38,7 @@ def _compile_gemm(job):
     from eightbit.kernels.int8_gemm import _int8_gemm_kernel, _int8_gemv_kernel
 
     cfg, even_k = job
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False, "launch_pdl": True}
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
     if cfg.kernel == "gemv":
         fn = _int8_gemv_kernel
         sig = {
@@ -47,8 +47,7 @@ def _compile_gemm(job):
             "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "constexpr",
         }
         consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True,
-                  "PDL": True}
+                  "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True}
         for name in consts:
             sig[name] = "constexpr"
         div16 = ["a_ptr", "xs_ptr", "b_ptr", "ws_ptr", "bias_ptr", "c_ptr", "acc_ptr", "lock_ptr",
@@ -68,7 +67,7 @@ def _compile_gemm(job):
     consts = {
         "stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_BIAS": True,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
-        "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True,
+        "SPLIT_K": cfg.split_k, "EVEN_K": even_k,
     }
     for name in consts:
         sig[name] = "constexpr"
@@ -95,17 +94,17 @@ def _compile_row(job):
         sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
                "q_ptr": "*i8", "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "stride_x": "i32",
                "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32", "stride_q": "i32"}
-        consts = {"HAS_RESIDUAL": True, "QUANT": quant, "CUDA_SCALE": True, "BLOCK_H": block, "PDL": True}
+        consts = {"HAS_RESIDUAL": True, "QUANT": quant, "CUDA_SCALE": True, "BLOCK_H": block}
     else:
         fn = _silu_mul_kernel
         sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "I": "i32",
                "stride_gu": "i32", "stride_out": "i32", "stride_q": "i32"}
-        consts = {"QUANT": quant, "CUDA_SCALE": True, "BLOCK_I": block, "PDL": True}
+        consts = {"QUANT": quant, "CUDA_SCALE": True, "BLOCK_I": block}
     for name in consts:
         sig[name] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": num_warps, "enable_fp_fusion": False, "launch_pdl": True})
+                   options={"num_warps": num_warps, "enable_fp_fusion": False})
     return job
 
 
