@@ -56,15 +56,18 @@ def test_gpu_graphs_match_eager(name, monkeypatch):
     # every one-sequence prefill of 2..1024 tokens went through a graph, the 1100-token one did not
     # (a 1-token prompt is a decode step)
     assert sorted(replays) == sorted([n for n in PROMPT_LENGTHS if 1 < n <= 1024] + [700, 60])
-    # same weights (seeded) and kernels on the real rows, but a graph's GEMMs see the bucket's M
-    # (another tile config, or cuBLAS algorithm for bf16), so the float epilogues may round differently
-    tol = 2e-2 if name == "bf16" else 2e-3
+    # Prompt log-probs come from the prefill alone: same kernels on the real rows, except that a
+    # graph's GEMMs see the bucket's M (for bf16 another cuBLAS algorithm; int8 accumulates exactly).
+    # Generated tokens also go through decode steps, where the eager step splits the context by its
+    # own block-table width and the graph by the static one: another summation order, which int8
+    # activation rounding can amplify.
+    prompt_tol = 2e-2 if name == "bf16" else 2e-3
     for (p, _), w, g in zip(requests, want, got):
         msg = f"prompt of {len(p)} tokens"
         assert g.outputs[0].token_ids[:4] == w.outputs[0].token_ids[:4], msg
         torch.testing.assert_close(_first_values(g.outputs[0].logprobs), _first_values(w.outputs[0].logprobs),
-                                   atol=tol, rtol=0, msg=msg)
+                                   atol=2e-2, rtol=0, msg=msg)
         if g.prompt_logprobs is not None and len(p) > 1:
             torch.testing.assert_close(_first_values(g.prompt_logprobs), _first_values(w.prompt_logprobs),
-                                       atol=tol, rtol=0, msg=msg)
+                                       atol=prompt_tol, rtol=0, msg=msg)
 
