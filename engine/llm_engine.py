@@ -177,7 +177,10 @@ class LLMEngine:
         seqs, rows = self._fork_and_rows(result.sample_seqs)
         deltas = {}
         if seqs:
-            deltas = self._sample(seqs, result.logits[torch.tensor(rows, device=result.logits.device)])
+            logits = result.logits
+            if rows != list(range(len(logits))):  # n > 1 forks repeat rows
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            deltas = self._sample(seqs, logits)
         return [self._output(r, deltas) for r in {s.request.request_id: s.request for s in seqs}.values()]
 
     def _fork_and_rows(self, sample_seqs):

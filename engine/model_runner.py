@@ -97,8 +97,10 @@ class ModelRunner:
         hidden = self._run_graph(input_ids, positions, context)
         if hidden is None:
             hidden = self._run_eager(input_ids, positions, context)
-        rows = sample_rows.to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[rows]) if sample_seqs else None
+        if len(sample_seqs) == len(hidden):  # every row samples (decode): no gather, no copy
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)]) if sample_seqs else None
         return StepResult(sample_seqs, logits, self._prompt_logprobs(scheduled, hidden))
 
     def _run_graph(self, input_ids, positions, context):

@@ -24,13 +24,14 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 @dataclass
 class SamplingTensors:
     """The per-row sampling settings of one step as device tensors, plus host-side flags
-    that let the common cases (all greedy, no filters) skip work without a sync."""
+    that let the common cases (all greedy, no filters) skip work without a sync. An all-greedy
+    step needs none of the tensors, so it gets none (each one is a host-to-device copy)."""
 
-    temperatures: torch.Tensor  # [B] float32; 1.0 on greedy rows (they are never divided)
-    top_k: torch.Tensor  # [B] int64; 0 = off
-    top_p: torch.Tensor  # [B] float32; 1.0 = off
-    min_p: torch.Tensor  # [B] float32; 0.0 = off
-    greedy: torch.Tensor  # [B] bool
+    temperatures: torch.Tensor | None  # [B] float32; 1.0 on greedy rows (they are never divided)
+    top_k: torch.Tensor | None  # [B] int64; 0 = off
+    top_p: torch.Tensor | None  # [B] float32; 1.0 = off
+    min_p: torch.Tensor | None  # [B] float32; 0.0 = off
+    greedy: torch.Tensor | None  # [B] bool
     all_greedy: bool
     any_greedy: bool
     any_top_k: bool
@@ -47,7 +48,7 @@ class SamplingTensors:
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
 
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return None if all(greedy) else torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
             temperatures=t(temps, torch.float32),
