@@ -28,6 +28,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # fixed KV-cache size; default on the CPU: 1 GiB
     num_kv_blocks: int | None = None  # fixed block count (tests); overrides the memory-based sizing
     enforce_eager: bool = False  # True: no CUDA graphs
+    async_scheduling: bool = True  # launch the next decode step before this one's tokens reach the host
     seed: int = 0
 
     def __post_init__(self):

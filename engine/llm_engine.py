@@ -6,6 +6,7 @@ one token, is checked for stop conditions and detokenized incrementally.
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,16 @@ MAX_GRAPH_PREFILL = 1024  # one-sequence prefills of more new tokens run eagerly
 GRAPH_RESERVE_BYTES = 512 * 2**20  # CUDA graphs' own pool and workspace, kept out of the KV budget
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens may still be on the device."""
+
+    scheduled: list  # [(Sequence, num_new_tokens)] as run
+    seqs: list  # the sequences that sampled, in row order (n > 1 forks included)
+    tokens: torch.Tensor | None  # [len(seqs)] int64 on the device
+    logprobs: tuple | None  # gather_logprobs' (chosen, top_ids, top_logprobs), if any sequence asked
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -46,6 +57,7 @@ class LLMEngine:
                                        min(config.max_num_batched_tokens, self.max_model_len, MAX_GRAPH_PREFILL))
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests = {}  # request_id -> Request, until finished
+        self._in_flight = None  # the LaunchedStep launched ahead by async scheduling
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.num_generated_tokens = 0
 
@@ -162,26 +174,98 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule → run → postprocess. Returns the requests that produced tokens or finished."""
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
-        result = self.runner.run(sched.scheduled, sched.copies)
-        for seq, n in sched.scheduled:
+        """Schedule → run → postprocess one step. Returns the requests that produced tokens or finished.
+
+        Async scheduling (on by default): when the step after this one can only be one more token
+        for each sequence of it, that step is launched before this one's tokens are copied to the
+        host, with those tokens as its input straight from the device. The GPU then runs it while
+        the host detokenizes, checks stop conditions and builds outputs. A sequence that stops here
+        (a stop token or string; length limits are known in advance) has its extra row dropped.
+        """
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None and all(s.is_finished for s in launched.seqs):
+            launched = None  # every sequence of it stopped or was aborted after it was launched
+        if launched is None:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return []
+            launched = self._launch(sched.scheduled, sched.copies)
+        if self.config.async_scheduling:
+            self._in_flight = self._launch_continuation(launched)
+        return self._finish(launched)
+
+    def _launch(self, scheduled, copies, input_tokens=None) -> LaunchedStep:
+        """Run the model and sample on the device; nothing waits for the GPU here."""
+        result = self.runner.run(scheduled, copies, input_tokens)
+        for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.num_computed_tokens += n
-            self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         for seq, entries in result.prompt_logprobs.items():
             for index, entry in entries:
                 seq.request.prompt_logprobs[index] = entry
         seqs, rows = self._fork_and_rows(result.sample_seqs)
+        if not seqs:
+            return LaunchedStep(scheduled, [], None, None)
+        logits = result.logits
+        if rows != list(range(len(logits))):  # n > 1 forks repeat rows
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        params = [s.params for s in seqs]
+        tokens = sample(logits, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs])
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        logprobs = gather_logprobs(logits, tokens, k) if k is not None else None
+        return LaunchedStep(scheduled, seqs, tokens, logprobs)
+
+    def _launch_continuation(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """Launch the next decode step of `launched`'s sequences now, or None if it must wait for the host."""
+        scheduled = {id(seq) for seq, _ in launched.scheduled}
+        if not launched.seqs or scheduled - {id(s) for s in launched.seqs}:
+            return None  # a prompt chunk that samples nothing yet: the next step is prefill work
+        keep = [i for i, s in enumerate(launched.seqs) if not s.is_finished and not self._ends_by_length(s)]
+        if not keep:
+            return None
+        seqs = [launched.seqs[i] for i in keep]
+        sched = self.scheduler.schedule_continuation(seqs)
+        if sched is None:
+            return None
+        tokens = launched.tokens
+        if len(keep) < len(tokens):
+            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+        return self._launch(sched.scheduled, sched.copies, tokens)
+
+    def _ends_by_length(self, seq) -> bool:
+        """Whether the token being sampled for seq now is its last (max_tokens or max_model_len)."""
+        max_tokens = seq.params.max_tokens or self.max_model_len
+        return len(seq.output_token_ids) + 1 >= max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Bring the step's tokens to the host, append them, register computed blocks, check stops."""
+        live = [(i, s) for i, s in enumerate(launched.seqs) if not s.is_finished]
+        tokens = self._tokens_to_host(launched) if live else []
+        logprob_dicts = None
+        if launched.logprobs is not None and live:
+            ks = [s.params.logprobs or 0 for s in launched.seqs]
+            logprob_dicts = logprobs_to_dicts(launched.tokens, *launched.logprobs, ks)
+        for i, seq in live:
+            seq.token_ids.append(tokens[i])
+        for seq, _ in launched.scheduled:  # after the append: a continuation in flight counts as computed
+            if not seq.is_finished:
+                self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         deltas = {}
-        if seqs:
-            logits = result.logits
-            if rows != list(range(len(logits))):  # n > 1 forks repeat rows
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            deltas = self._sample(seqs, logits)
-        return [self._output(r, deltas) for r in {s.request.request_id: s.request for s in seqs}.values()]
+        now = time.monotonic()
+        for i, seq in live:
+            token = tokens[i]
+            self.num_generated_tokens += 1
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprob_dicts[i])
+                seq.cumulative_logprob += logprob_dicts[i][token]
+            deltas[seq] = self._postprocess(seq, token)
+        return [self._output(r, deltas) for r in {s.request.request_id: s.request for s in deltas}.values()]
+
+    def _tokens_to_host(self, launched: LaunchedStep) -> list[int]:
+        """The step's sampled tokens as ints: where the host waits for the GPU to finish the step."""
+        return launched.tokens.tolist()
 
     def _fork_and_rows(self, sample_seqs):
         """Expand requests with n > 1 whose prompt just finished: the n samples share its blocks."""
@@ -202,28 +286,6 @@ class LLMEngine:
             seqs += family
             rows += [row] * len(family)
         return seqs, rows
-
-    def _sample(self, seqs, logits):
-        params = [s.params for s in seqs]
-        tensors = SamplingTensors.from_params(params, logits.device)
-        tokens = sample(logits, tensors, [s.generator for s in seqs])
-        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        logprob_dicts = None
-        if k is not None:
-            chosen, top_ids, top_lps = gather_logprobs(logits, tokens, k)
-            logprob_dicts = logprobs_to_dicts(tokens, chosen, top_ids, top_lps, [p.logprobs or 0 for p in params])
-        deltas = {}
-        now = time.monotonic()
-        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
-            seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(logprob_dicts[i])
-                seq.cumulative_logprob += logprob_dicts[i][token]
-            deltas[seq] = self._postprocess(seq, token)
-        return deltas
 
     def _postprocess(self, seq, token) -> str:
         """Detokenize the new token and finish the sequence if a stop condition holds."""

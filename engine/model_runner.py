@@ -90,10 +90,12 @@ class ModelRunner:
             layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = self.kv_cache.layer(i)
 
     @torch.inference_mode()
-    def run(self, scheduled, copies=()) -> StepResult:
+    def run(self, scheduled, copies=(), input_tokens=None) -> StepResult:
+        """Run one step. input_tokens: a continuation step's input ids, still on the device (each
+        sequence's token sampled by the step before, not yet appended to its token_ids)."""
         if copies:
             self.kv_cache.copy_blocks(copies)
-        input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled)
+        input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled, input_tokens)
         hidden = self._run_graph(input_ids, positions, context)
         if hidden is None:
             hidden = self._run_eager(input_ids, positions, context)
@@ -152,19 +154,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _prepare(self, scheduled):
+    def _prepare(self, scheduled, input_tokens=None):
         input_ids, positions, slots, cu, seq_lens = [], [], [], [0], []
         sample_rows, sample_seqs = [], []
         bs = self.block_size
         block_tables = [self.block_manager.block_table(seq.seq_id) for seq, _ in scheduled]
         for (seq, n), table in zip(scheduled, block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
+            if input_tokens is None:
+                input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             cu.append(cu[-1] + n)
             seq_lens.append(end)
-            if end == seq.num_tokens:
+            if input_tokens is not None or end == seq.num_tokens:
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(seq)
         width = max(len(t) for t in block_tables)
@@ -177,7 +180,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64)
+        ids = torch.tensor(input_ids, dtype=torch.int64) if input_tokens is None else input_tokens
         pos = torch.tensor(positions, dtype=torch.int64)
         return ids, pos, context, torch.tensor(sample_rows, dtype=torch.int64), sample_seqs
 

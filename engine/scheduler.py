@@ -87,6 +87,24 @@ class Scheduler:
         self.running.sort(key=lambda s: s.sort_key())
         return out
 
+    def schedule_continuation(self, seqs) -> SchedulerOutput | None:
+        """The next decode step of `seqs` (running sequences whose token this step is still being
+        sampled on the device), to launch before that token reaches the host. None, changing
+        nothing that matters, when the regular schedule must decide instead: someone is waiting to
+        be admitted (and there is room for them), or one more token each might not fit without a
+        preemption. Reserving a block early is harmless: the sequence needs it next step anyway."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        # one token takes at most one block per sequence (a new one, or a copy of a shared one), so
+        # with this many free every reservation below succeeds: all or nothing, no copy left undone
+        if len(seqs) > self.max_num_batched_tokens or self.block_manager.num_free_blocks < len(seqs):
+            return None
+        out = SchedulerOutput()
+        for seq in seqs:
+            out.copies += self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + 1)
+            out.scheduled.append((seq, 1))
+        return out
+
     @staticmethod
     def _insert(queue, seq):
         bisect.insort(queue, seq, key=lambda s: s.sort_key())

@@ -61,6 +61,8 @@ def add_bench_parser(subparsers):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="fixed KV size (CPU tests)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before launching the next (the engine's async_scheduling=False)")
     p.add_argument("--prefix-caching", action="store_true", help="leave prefix caching on (off by default)")
     # summary
     p.add_argument("--inputs", nargs="*", default=[], help="summary: more results.jsonl files or dirs to merge")
@@ -72,7 +74,8 @@ def add_bench_parser(subparsers):
 def engine_options(args) -> dict:
     opts = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                enable_prefix_caching=args.prefix_caching, seed=args.seed)
+                enable_prefix_caching=args.prefix_caching, async_scheduling=not args.no_async_scheduling,
+                seed=args.seed)
     if args.max_model_len:
         opts["max_model_len"] = args.max_model_len
     if args.kv_cache_memory_gb:

@@ -82,6 +82,7 @@ def engine_info(llm) -> dict:
         vocab_size=e.hf_config.vocab_size,
         max_model_len=e.max_model_len,
         enforce_eager=e.config.enforce_eager,
+        async_scheduling=e.config.async_scheduling,
         max_num_seqs=e.config.max_num_seqs,
         max_num_batched_tokens=e.config.max_num_batched_tokens,
         enable_prefix_caching=e.config.enable_prefix_caching,

@@ -59,13 +59,18 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.steps = 0
         self.busy_s = 0.0
-        sync = str(engine.config.device).startswith("cuda")
+        # Model time = launching a step (run + sampling on the device) + waiting for its tokens. With async
+        # scheduling the launch must not sync (the next step is launched while this one runs), so the GPU
+        # time the loop does not overlap shows up in the wait; without it, the launch syncs, as before.
+        sync = str(engine.config.device).startswith("cuda") and not engine.config.async_scheduling
         # Instance attributes shadow the methods step() calls through self: no engine change needed.
-        self._model_timer = _Timer(engine.runner.run, sync)
-        self._sample_timer = _Timer(engine._sample, False)
+        self._launch_timer = _Timer(engine._launch, sync)
+        self._wait_timer = _Timer(engine._tokens_to_host, False)
+        self._finish_timer = _Timer(engine._finish, False)
         self._postprocess_timer = _Timer(engine._postprocess, False)
-        engine.runner.run = self._model_timer
-        engine._sample = self._sample_timer
+        engine._launch = self._launch_timer
+        engine._tokens_to_host = self._wait_timer
+        engine._finish = self._finish_timer
         engine._postprocess = self._postprocess_timer
         self._stats = self._snapshot()
 
@@ -188,7 +193,7 @@ class AsyncEngine:
         engine = self.engine
         sched, bm = engine.scheduler, engine.block_manager
         running = sched.running
-        model_s = self._model_timer.seconds
+        model_s = self._launch_timer.seconds + self._wait_timer.seconds
         busy = self.busy_s
         return {
             "running_requests": len({s.request.request_id for s in running}),
@@ -203,7 +208,7 @@ class AsyncEngine:
             "steps": self.steps,
             "busy_s": busy,
             "model_s": model_s,
-            "sample_s": self._sample_timer.seconds,
+            "sample_s": self._finish_timer.seconds - self._wait_timer.seconds,
             "postprocess_s": self._postprocess_timer.seconds,
             "outside_model_ratio": (busy - model_s) / busy if busy > 0 else 0.0,
         }

@@ -100,7 +100,8 @@ class Metrics:
         metric("engine_loop_busy_seconds_total", "counter",
                "Wall time of engine-loop iterations that had work (idle waits excluded).", [("", repr(s["busy_s"]))])
         metric("engine_model_execution_seconds_total", "counter",
-               "Part of the busy loop time spent in model execution (ModelRunner.run).", [("", repr(s["model_s"]))])
+               "Part of the busy loop time spent on the model: launching steps (ModelRunner.run and sampling on "
+               "the device) and waiting for their tokens.", [("", repr(s["model_s"]))])
         metric("engine_sampling_seconds_total", "counter",
                "Part of the busy loop time spent sampling, stop checks and detokenization included.",
                [("", repr(s["sample_s"]))])

@@ -1,0 +1,56 @@
+"""Async scheduling (the next decode step launched before this one's tokens reach the host) must
+not change what a request gets: the same engine with it off is the reference (SmolLM2, CPU)."""
+
+import pytest
+
+from eightbit import SamplingParams
+
+PROMPTS = ["Tell me about the ocean.", "My favourite food is", "Write a short poem about", "1, 2, 3,"]
+
+
+def _outputs(outs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def engines(make_llm):
+    return make_llm(), make_llm(async_scheduling=False)
+
+
+def test_async_scheduling_changes_no_output(engines):
+    on, off = engines
+    greedy = off.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    g0 = greedy[0].outputs[0]
+    # stops that end sequences at unpredictable steps (the launched-ahead row is dropped), max_tokens that
+    # end them at predictable ones (no row launched), n > 1 forks, seeds, log-probs
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[g0.token_ids[5]], logprobs=2),
+        SamplingParams(temperature=0, max_tokens=3),
+        SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=9),
+        SamplingParams(temperature=0, max_tokens=30, stop=[greedy[3].outputs[0].text.split()[2]]),
+    ]
+    want = off.generate(PROMPTS, params, use_tqdm=False)
+    got = on.generate(PROMPTS, params, use_tqdm=False)
+    assert _outputs(got) == _outputs(want)
+    assert got[0].outputs[0].finish_reason == "stop" and got[3].outputs[0].finish_reason == "stop"
+    assert on.engine.block_manager.num_used_blocks == 0  # rows launched for stopped sequences freed nothing twice
+    # and the engine keeps serving: a second batch after one that left a step in flight
+    assert _outputs(on.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)) \
+        == _outputs(greedy[:2])
+
+
+def test_abort_with_a_step_in_flight(engines):
+    on, _ = engines
+    engine = on.engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=50))
+    engine.step()  # the prefill, and the first decode step launched ahead
+    engine.step()
+    assert engine._in_flight is not None
+    engine.abort("a")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert {o.request_id for o in outs} == {"b"}
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 50
+    assert engine.block_manager.num_used_blocks == 0
