@@ -38,6 +38,7 @@ class _Graphs:
         self.block_tables = torch.zeros(table_rows, table_width, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.graphs = {}
+        self._pinned = torch.device(device).type == "cuda"
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -68,11 +69,23 @@ class _Graphs:
     def _bucket(self, n):
         return next(size for size in self.buckets if size >= n)
 
-    def _copy_tokens(self, n, rows, input_ids, positions, slot_mapping):
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+    def _upload(self, name, n, src):
+        """Static buffer `name`[:n] = src, without stalling the stream: a copy from pageable host memory
+        makes CUDA wait for all queued work first (the step launched ahead by async scheduling), one
+        from pinned memory does not. torch's pinned-memory cache keeps the staging block until the
+        copy has run."""
+        if self._pinned and src.device.type == "cpu":
+            src = src.pin_memory()
+        getattr(self, name)[:n].copy_(src, non_blocking=True)
+
+    def _copy_tokens(self, n, rows, input_ids, positions, slot_mapping, block_tables):
+        self._upload("input_ids", n, input_ids)
+        self._upload("positions", n, positions)
+        self._upload("slot_mapping", n, slot_mapping)
         self.slot_mapping[n:rows].fill_(-1)  # stale slots would overwrite other sequences' cache
+        # whole rows (zero past the step's width): one contiguous copy per step
+        pad = self.block_tables.shape[1] - block_tables.shape[1]
+        self._upload("block_tables", len(block_tables), torch.nn.functional.pad(block_tables, (0, pad)))
 
 
 class DecodeGraphs(_Graphs):
@@ -91,10 +104,9 @@ class DecodeGraphs(_Graphs):
         """Replay the smallest graph that holds the batch; returns hidden states [B, hidden]."""
         n = input_ids.shape[0]
         b = self._bucket(n)
-        self._copy_tokens(n, b, input_ids, positions, slot_mapping)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self._copy_tokens(n, b, input_ids, positions, slot_mapping, block_tables)
+        self._upload("seq_lens", n, seq_lens)
         self.seq_lens[n:b].fill_(0)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.graphs[b].replay()
         return self.hidden[:n]
 
@@ -124,10 +136,9 @@ class PrefillGraphs(_Graphs):
         """Replay the smallest graph that holds the step's n tokens; returns hidden states [n, hidden]."""
         n = input_ids.shape[0]
         t = self._bucket(n)
-        self._copy_tokens(n, t, input_ids, positions, slot_mapping)
+        self._copy_tokens(n, t, input_ids, positions, slot_mapping, block_tables[:1])
         self.positions[n:t].fill_(0)  # padding rows: any position inside the RoPE table
-        self.block_tables[0, : block_tables.shape[1]].copy_(block_tables[0], non_blocking=True)
-        self.lengths.copy_(torch.tensor([seq_len, t - n, 0, n, t], dtype=torch.int32), non_blocking=True)
+        self._upload("lengths", 5, torch.tensor([seq_len, t - n, 0, n, t], dtype=torch.int32))
         self.graphs[t].replay()
         return self.hidden[:n]
 

@@ -228,8 +228,9 @@ class LLMEngine:
         if sched is None:
             return None
         tokens = launched.tokens
-        if len(keep) < len(tokens):
-            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+        if len(keep) < len(tokens):  # (pinned: a pageable copy would wait for the GPU)
+            rows = torch.tensor(keep, pin_memory=tokens.is_cuda).to(tokens.device, non_blocking=True)
+            tokens = tokens[rows]
         return self._launch(sched.scheduled, sched.copies, tokens)
 
     def _ends_by_length(self, seq) -> bool:

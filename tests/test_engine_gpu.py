@@ -35,8 +35,8 @@ def test_gpu_graphs_match_eager(name, monkeypatch):
     gc.collect()  # an engine left by an earlier test would count as this one's activations
     torch.cuda.empty_cache()
     opts = dict(load_format="dummy", gpu_memory_utilization=0.2, **CONFIGS[name])
-    scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
-    cached = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)  # may hit the prefix cache
+    scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=5)
+    cached = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)  # may hit the prefix cache
     requests = [(_prompt(i, n), scored) for i, n in enumerate(PROMPT_LENGTHS)]
     # a prefix-cache hit: the second request prefills a 60-token chunk after 640 cached tokens
     requests += [(_prompt(50, 700), cached), (_prompt(50, 700)[:640] + _prompt(51, 60), cached)]
@@ -56,18 +56,23 @@ def test_gpu_graphs_match_eager(name, monkeypatch):
     # every one-sequence prefill of 2..1024 tokens went through a graph, the 1100-token one did not
     # (a 1-token prompt is a decode step)
     assert sorted(replays) == sorted([n for n in PROMPT_LENGTHS if 1 < n <= 1024] + [700, 60])
-    # Prompt log-probs come from the prefill alone: same kernels on the real rows, except that a
-    # graph's GEMMs see the bucket's M (for bf16 another cuBLAS algorithm; int8 accumulates exactly).
-    # Generated tokens also go through decode steps, where the eager step splits the context by its
-    # own block-table width and the graph by the static one: another summation order, which int8
-    # activation rounding can amplify.
+    # The prefill (what the prefill graphs change) must match closely: prompt log-probs, the first token and
+    # its log-prob. Same kernels on the real rows, except that a graph's GEMMs see the bucket's M (for bf16
+    # another cuBLAS algorithm; int8 accumulates exactly). Later tokens come from decode steps, where the
+    # eager step splits the context by its own block-table width and the graph by the static one: another
+    # summation order, which int8 activation rounding can amplify into a different argmax on this
+    # random-weight model. There vLLM's rule applies: at the first divergence each side's token is among
+    # the other's top-5.
     prompt_tol = 2e-2 if name == "bf16" else 2e-3
     for (p, _), w, g in zip(requests, want, got):
         msg = f"prompt of {len(p)} tokens"
-        assert g.outputs[0].token_ids[:4] == w.outputs[0].token_ids[:4], msg
-        torch.testing.assert_close(_first_values(g.outputs[0].logprobs), _first_values(w.outputs[0].logprobs),
-                                   atol=2e-2, rtol=0, msg=msg)
+        gw, gg = w.outputs[0], g.outputs[0]
+        assert gg.token_ids[0] == gw.token_ids[0], msg
+        assert abs(gg.logprobs[0][gg.token_ids[0]] - gw.logprobs[0][gw.token_ids[0]]) < prompt_tol, msg
         if g.prompt_logprobs is not None and len(p) > 1:
             torch.testing.assert_close(_first_values(g.prompt_logprobs), _first_values(w.prompt_logprobs),
                                        atol=prompt_tol, rtol=0, msg=msg)
-
+        diverged = [i for i, (a, b) in enumerate(zip(gg.token_ids, gw.token_ids)) if a != b]
+        if diverged:
+            i = diverged[0]
+            assert gg.token_ids[i] in gw.logprobs[i] and gw.token_ids[i] in gg.logprobs[i], msg
