@@ -34,8 +34,21 @@ class LaunchedStep:
 
     scheduled: list  # [(Sequence, num_new_tokens)] as run
     seqs: list  # the sequences that sampled, in row order (n > 1 forks included)
-    tokens: torch.Tensor | None  # [len(seqs)] int64 on the device
-    logprobs: tuple | None  # gather_logprobs' (chosen, top_ids, top_logprobs), if any sequence asked
+    tokens: torch.Tensor | None  # [len(seqs)] int64 on the device (the next step's input)
+    host: tuple = ()  # the sampled tokens (then gather_logprobs' three tensors, if asked) on the host
+    ready: object = None  # CUDA event: `host` is filled once it has passed
+
+
+def _copy_to_host(tensors):
+    """Start copying device tensors to pinned host memory; returns (host tensors, event to wait on).
+    The copies are queued now, right after sampling: a plain .tolist() later would queue behind the
+    step launched ahead and wait for it too."""
+    if not tensors[0].is_cuda:
+        return tuple(tensors), None
+    host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class LLMEngine:
@@ -205,15 +218,15 @@ class LLMEngine:
                 seq.request.prompt_logprobs[index] = entry
         seqs, rows = self._fork_and_rows(result.sample_seqs)
         if not seqs:
-            return LaunchedStep(scheduled, [], None, None)
+            return LaunchedStep(scheduled, [], None)
         logits = result.logits
         if rows != list(range(len(logits))):  # n > 1 forks repeat rows
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = [s.params for s in seqs]
         tokens = sample(logits, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs])
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        logprobs = gather_logprobs(logits, tokens, k) if k is not None else None
-        return LaunchedStep(scheduled, seqs, tokens, logprobs)
+        logprobs = gather_logprobs(logits, tokens, k) if k is not None else ()
+        return LaunchedStep(scheduled, seqs, tokens, *_copy_to_host((tokens, *logprobs)))
 
     def _launch_continuation(self, launched: LaunchedStep) -> LaunchedStep | None:
         """Launch the next decode step of `launched`'s sequences now, or None if it must wait for the host."""
@@ -243,9 +256,9 @@ class LLMEngine:
         live = [(i, s) for i, s in enumerate(launched.seqs) if not s.is_finished]
         tokens = self._tokens_to_host(launched) if live else []
         logprob_dicts = None
-        if launched.logprobs is not None and live:
+        if len(launched.host) > 1 and live:
             ks = [s.params.logprobs or 0 for s in launched.seqs]
-            logprob_dicts = logprobs_to_dicts(launched.tokens, *launched.logprobs, ks)
+            logprob_dicts = logprobs_to_dicts(*launched.host, ks)
         for i, seq in live:
             seq.token_ids.append(tokens[i])
         for seq, _ in launched.scheduled:  # after the append: a continuation in flight counts as computed
@@ -266,7 +279,9 @@ class LLMEngine:
 
     def _tokens_to_host(self, launched: LaunchedStep) -> list[int]:
         """The step's sampled tokens as ints: where the host waits for the GPU to finish the step."""
-        return launched.tokens.tolist()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.host[0].tolist()
 
     def _fork_and_rows(self, sample_seqs):
         """Expand requests with n > 1 whose prompt just finished: the n samples share its blocks."""
