@@ -237,7 +237,7 @@ class LLMEngine:
         if not keep:
             return None
         seqs = [launched.seqs[i] for i in keep]
-        sched = self.scheduler.schedule_continuation(seqs)
+        sched = self.scheduler.schedule_continuation(seqs, launched.seqs)
         if sched is None:
             return None
         tokens = launched.tokens

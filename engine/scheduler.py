@@ -87,12 +87,17 @@ class Scheduler:
         self.running.sort(key=lambda s: s.sort_key())
         return out
 
-    def schedule_continuation(self, seqs) -> SchedulerOutput | None:
-        """The next decode step of `seqs` (running sequences whose token this step is still being
-        sampled on the device), to launch before that token reaches the host. None, changing
-        nothing that matters, when the regular schedule must decide instead: someone is waiting to
-        be admitted (and there is room for them), or one more token each might not fit without a
-        preemption. Reserving a block early is harmless: the sequence needs it next step anyway."""
+    def schedule_continuation(self, seqs, stepped) -> SchedulerOutput | None:
+        """The next decode step of `seqs` (running sequences whose token is still being sampled on
+        the device by the step of `stepped`), to launch before that token reaches the host. None,
+        changing nothing that matters, when the regular schedule must decide instead: a running
+        sequence sat out that step (the token budget ran out: it must not wait for the whole chain),
+        someone is waiting to be admitted (and there is room for them), or one more token each might
+        not fit without a preemption. Reserving a block early is harmless: the sequence needs it
+        next step anyway."""
+        in_step = {id(s) for s in stepped}
+        if any(id(s) not in in_step for s in self.running):
+            return None
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None
         # one token takes at most one block per sequence (a new one, or a copy of a shared one), so

@@ -54,3 +54,25 @@ def test_abort_with_a_step_in_flight(engines):
     assert {o.request_id for o in outs} == {"b"}
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 50
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_sequence_left_out_by_the_budget_is_not_starved(make_llm):
+    """A step whose token budget ran out before every running sequence must not be continued ahead:
+    the one left out would wait for the whole chain. Here B decodes while A's prompt is prefilled in
+    chunks of the 8-token budget; A's last chunk takes all 8, B sits that step out."""
+    def production_steps(async_on):
+        engine = make_llm(max_num_batched_tokens=8, async_scheduling=async_on).engine
+        engine.add_request("B", [1, 200], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        engine.step()
+        engine.step()
+        engine.add_request("A", list(range(300, 315)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                           priority=-1)
+        steps, step = [], 0
+        while engine.has_unfinished_requests():
+            step += 1
+            steps += [step for o in engine.step() if o.request_id == "B"]
+        return steps, step
+
+    (on, total_on), (off, total_off) = production_steps(True), production_steps(False)
+    assert total_on == total_off
+    assert max(b - a for a, b in zip(on, on[1:])) <= max(b - a for a, b in zip(off, off[1:])) == 2
