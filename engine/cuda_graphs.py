@@ -69,23 +69,29 @@ class _Graphs:
     def _bucket(self, n):
         return next(size for size in self.buckets if size >= n)
 
-    def _upload(self, name, n, src):
-        """Static buffer `name`[:n] = src, without stalling the stream: a copy from pageable host memory
-        makes CUDA wait for all queued work first (the step launched ahead by async scheduling), one
-        from pinned memory does not. torch's pinned-memory cache keeps the staging block until the
-        copy has run."""
+    def fits(self, n: int, context: Context) -> bool:
+        """Whether a step of n new tokens with this (host-side) context can replay a graph."""
+        return n <= self.buckets[-1] and context.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def _upload(self, dst, src):
+        """dst[:len(src)] = src, without stalling the stream: a copy from pageable host memory makes
+        CUDA wait for all queued work first (the step launched ahead by async scheduling), one from
+        pinned memory does not. torch's pinned-memory cache keeps the staging block until the copy
+        has run."""
         if self._pinned and src.device.type == "cpu":
             src = src.pin_memory()
-        getattr(self, name)[:n].copy_(src, non_blocking=True)
+        dst[: len(src)].copy_(src, non_blocking=True)
 
-    def _copy_tokens(self, n, rows, input_ids, positions, slot_mapping, block_tables):
-        self._upload("input_ids", n, input_ids)
-        self._upload("positions", n, positions)
-        self._upload("slot_mapping", n, slot_mapping)
+    def _copy_tokens(self, rows, input_ids, positions, context):
+        n = len(input_ids)
+        self._upload(self.input_ids, input_ids)
+        self._upload(self.positions, positions)
+        self._upload(self.slot_mapping, context.slot_mapping)
         self.slot_mapping[n:rows].fill_(-1)  # stale slots would overwrite other sequences' cache
         # whole rows (zero past the step's width): one contiguous copy per step
-        pad = self.block_tables.shape[1] - block_tables.shape[1]
-        self._upload("block_tables", len(block_tables), torch.nn.functional.pad(block_tables, (0, pad)))
+        tables = context.block_tables
+        pad = self.block_tables.shape[1] - tables.shape[1]
+        self._upload(self.block_tables, torch.nn.functional.pad(tables, (0, pad)))
 
 
 class DecodeGraphs(_Graphs):
@@ -97,15 +103,12 @@ class DecodeGraphs(_Graphs):
         super().__init__(model, buckets, b, b, max_blocks_per_seq, hidden_size, dtype, device)
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
 
-    def fits(self, batch: int, width: int) -> bool:
-        return batch <= self.buckets[-1] and width <= self.block_tables.shape[1]
-
-    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+    def run(self, input_ids, positions, context):
         """Replay the smallest graph that holds the batch; returns hidden states [B, hidden]."""
         n = input_ids.shape[0]
         b = self._bucket(n)
-        self._copy_tokens(n, b, input_ids, positions, slot_mapping, block_tables)
-        self._upload("seq_lens", n, seq_lens)
+        self._copy_tokens(b, input_ids, positions, context)
+        self._upload(self.seq_lens, context.seq_lens)
         self.seq_lens[n:b].fill_(0)
         self.graphs[b].replay()
         return self.hidden[:n]
@@ -129,16 +132,17 @@ class PrefillGraphs(_Graphs):
         # seq_lens [2] and cu_seqlens_q [3] in one buffer, filled by one copy per step
         self.lengths = torch.zeros(5, dtype=torch.int32, device=device)
 
-    def fits(self, num_seqs: int, tokens: int, width: int) -> bool:
-        return num_seqs == 1 and tokens <= self.buckets[-1] and width <= self.block_tables.shape[1]
+    def fits(self, n: int, context: Context) -> bool:
+        return len(context.seq_lens) == 1 and super().fits(n, context)
 
-    def run(self, input_ids, positions, slot_mapping, block_tables, seq_len):
+    def run(self, input_ids, positions, context):
         """Replay the smallest graph that holds the step's n tokens; returns hidden states [n, hidden]."""
         n = input_ids.shape[0]
         t = self._bucket(n)
-        self._copy_tokens(n, t, input_ids, positions, slot_mapping, block_tables[:1])
+        self._copy_tokens(t, input_ids, positions, context)
         self.positions[n:t].fill_(0)  # padding rows: any position inside the RoPE table
-        self._upload("lengths", 5, torch.tensor([seq_len, t - n, 0, n, t], dtype=torch.int32))
+        seq_len = int(context.seq_lens[0])
+        self._upload(self.lengths, torch.tensor([seq_len, t - n, 0, n, t], dtype=torch.int32))
         self.graphs[t].replay()
         return self.hidden[:n]
 

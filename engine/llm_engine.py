@@ -229,10 +229,8 @@ class LLMEngine:
         return LaunchedStep(scheduled, seqs, tokens, *_copy_to_host((tokens, *logprobs)))
 
     def _launch_continuation(self, launched: LaunchedStep) -> LaunchedStep | None:
-        """Launch the next decode step of `launched`'s sequences now, or None if it must wait for the host."""
-        scheduled = {id(seq) for seq, _ in launched.scheduled}
-        if not launched.seqs or scheduled - {id(s) for s in launched.seqs}:
-            return None  # a prompt chunk that samples nothing yet: the next step is prefill work
+        """Launch the next decode step of `launched`'s sequences now, or None if it must wait for the host
+        (the scheduler also declines when a running sequence did not sample in it, e.g. a prompt chunk)."""
         keep = [i for i, s in enumerate(launched.seqs) if not s.is_finished and not self._ends_by_length(s)]
         if not keep:
             return None

@@ -99,24 +99,20 @@ class ModelRunner:
         hidden = self._run_graph(input_ids, positions, context)
         if hidden is None:
             hidden = self._run_eager(input_ids, positions, context)
-        if len(sample_seqs) == len(hidden):  # every row samples (decode): no gather, no copy
+        if not sample_seqs:
+            logits = None
+        elif len(sample_seqs) == len(hidden):  # every row samples (decode): no gather, no copy
             logits = self.model.compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)]) if sample_seqs else None
+            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
         return StepResult(sample_seqs, logits, self._prompt_logprobs(scheduled, hidden))
 
     def _run_graph(self, input_ids, positions, context):
         """Replay a captured graph if one fits the step; None if the step must run eagerly."""
-        n, width = len(input_ids), context.block_tables.shape[1]
         graphs = self.decode_graphs if context.is_decode else self.prefill_graphs
-        if graphs is None:
+        if graphs is None or not graphs.fits(len(input_ids), context):
             return None
-        if context.is_decode and graphs.fits(n, width):
-            return graphs.run(input_ids, positions, context.slot_mapping, context.block_tables, context.seq_lens)
-        if not context.is_decode and graphs.fits(len(context.seq_lens), n, width):
-            return graphs.run(input_ids, positions, context.slot_mapping, context.block_tables,
-                              int(context.seq_lens[0]))
-        return None
+        return graphs.run(input_ids, positions, context)
 
     def _run_eager(self, input_ids, positions, context):
         dev = self.device
