@@ -14,6 +14,7 @@ import torch
 
 from eightbit.engine.context import Context, reset_context, set_context
 from eightbit.engine.sampler import gather_logprobs, logprobs_to_dicts
+from eightbit.kernels.reference import v_cache_shape
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when scoring
 
@@ -32,7 +33,8 @@ class KVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         alloc = torch.zeros if device != "cpu" else torch.empty  # untouched CPU pages cost nothing
         self.k = alloc(shape, dtype=dtype, device=device)
-        self.v = alloc(shape, dtype=dtype, device=device)
+        # an int8 V cache is stored key-minor (kernels/reference.py)
+        self.v = alloc((num_layers,) + v_cache_shape(*shape[1:], dtype), dtype=dtype, device=device)
         self.k_scale = self.v_scale = None
         if dtype == torch.int8:
             scale_shape = shape[:-1] + (head_dim // group_size,)

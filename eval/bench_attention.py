@@ -94,10 +94,12 @@ def copy_bandwidth():
 
 
 def make_cache(num_blocks, d, kind):
+    from eightbit.kernels.reference import v_cache_shape
+
     shape = (num_blocks, PAGE, HKV, d)
     if kind == "int8":
         kc = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        vc = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        vc = torch.randint(-127, 128, v_cache_shape(*shape, torch.int8), dtype=torch.int8, device="cuda")
         sshape = (num_blocks, PAGE, HKV, d // GROUP)
         ks = (torch.rand(sshape, device="cuda") * 0.02 + 0.001).half()
         vs = (torch.rand(sshape, device="cuda") * 0.02 + 0.001).half()
@@ -266,10 +268,13 @@ PREFILL_CANDIDATES = {
     (64, "bf16"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
     (64, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
 }
-DECODE_CANDIDATES = [dict(BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=2),
-                     dict(BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_N=128, num_warps=4, num_stages=2),
-                     dict(BLOCK_N=32, num_warps=4, num_stages=2)]
-DECODE_SWEEP_SHAPES = [(32, 8192), (1, 32768), (256, 2048)]
+DECODE_CANDIDATES = [dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=128, num_warps=4, num_stages=3),
+                     dict(BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=3),
+                     dict(BLOCK_N=64, num_warps=4, num_stages=4), dict(BLOCK_N=32, num_warps=1, num_stages=3)]
+DECODE_SWEEP_SHAPES = [(64, 8192), (1, 32768), (16, 2048), (256, 2048)]
+# FlashDecoding split heuristic candidates (programs per SM, min keys per split, max splits), int8 cache
+SPLIT_CANDIDATES = [(4, 256, 64), (8, 256, 64), (8, 128, 128), (16, 128, 128)]
+SPLIT_SWEEP_SHAPES = [(1, 32768), (1, 8192), (16, 2048), (16, 8192), (64, 2048)]
 
 
 def sweep(results, save):
@@ -322,9 +327,32 @@ def sweep(results, save):
         # d=64 decode uses the same choice
         set_config("DECODE", (64, key[1]), best[1])
         save()
+    chosen["decode splits"] = sweep_splits(results)
+    save()
     results["chosen"] = chosen
     print("CHOSEN", json.dumps(chosen), flush=True)
     return C
+
+
+def sweep_splits(results):
+    """Pick the split heuristic's constants for the int8 cache by the geometric mean time."""
+    from eightbit.kernels import attention_configs as C
+
+    best = None
+    for pps, min_tok, max_splits in SPLIT_CANDIDATES:
+        C.DECODE_PROGRAMS_PER_SM, C.DECODE_MIN_TOKENS_PER_SPLIT, C.DECODE_MAX_SPLITS = pps, min_tok, max_splits
+        logt = 0.0
+        for bsz, ctx in SPLIT_SWEEP_SHAPES:
+            r = decode_case(bsz, ctx, kinds=("int8",), contiguous=False, sdpa=False)
+            logt += math.log(r["ours_int8_paged_ms"])
+            results["sweep"].append(dict(kernel="decode splits", cfg=[pps, min_tok, max_splits], batch=bsz, ctx=ctx,
+                                         splits=r["splits"], GBs=r["ours_int8_paged_GBs"]))
+            print(f"sweep splits {pps}/{min_tok}/{max_splits} {bsz}x{ctx}: {r['splits']} splits "
+                  f"{r['ours_int8_paged_GBs']:.0f} GB/s", flush=True)
+        if best is None or logt < best[0]:
+            best = (logt, (pps, min_tok, max_splits))
+    C.DECODE_PROGRAMS_PER_SM, C.DECODE_MIN_TOKENS_PER_SPLIT, C.DECODE_MAX_SPLITS = best[1]
+    return best[1]
 
 
 def main():
@@ -332,13 +360,6 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--decode-ab", metavar="DIR",
-                    help="decode only: time this build against DIR/decode_attention.py (a package dir holding an "
-                         "older decode_attention.py + attention_configs.py), table width 512 (max_model_len 8192)")
-    ap.add_argument("--decode-goal", metavar="DIR",
-                    help="decode only (issue 5 goal shapes): sweep DECODE_GOAL_CANDIDATES for the int8 cache, then "
-                         "time new int8 / old int8 (DIR as for --decode-ab) / new+old bf16 / SDPA bf16 at batch "
-                         "{1, 16, 64, 256} x ctx {2k, 8k, 32k}, plus prefill d128 4k")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -358,31 +379,6 @@ def main():
     results["copy_GBs"] = bw
     print(f"device {props.name}, copy bandwidth {bw:.0f} GB/s (read+write)", flush=True)
     save()
-    if args.decode_ab:
-        import importlib
-        import sys as _sys
-
-        from eightbit.kernels.decode_attention import decode_attention
-
-        _sys.path.insert(0, os.path.dirname(os.path.abspath(args.decode_ab)))
-        old = importlib.import_module(os.path.basename(os.path.abspath(args.decode_ab)) + ".decode_attention")
-        impls = {"new": decode_attention, "old": old.decode_attention}
-        print("| batch | ctx | width | kind | old µs | new µs | old/new | new GB/s (% copy) | SDPA bf16 µs |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for bsz, ctx, width in ((1, 512, 512), (1, 2048, 512), (1, 8192, 512), (8, 512, 512), (32, 2048, 512),
-                                (64, 8192, None), (256, 2048, None), (1, 32768, None)):
-            r = decode_case(bsz, ctx, contiguous=False, width=width, impls=impls)
-            results["decode"].append(r)
-            save()
-            for kind in ("int8", "bf16"):
-                o, n = r[f"old_{kind}_paged_ms"] * 1e3, r[f"new_{kind}_paged_ms"] * 1e3
-                g = r[f"new_{kind}_paged_GBs"]
-                print(f"| {bsz} | {ctx} | {r['width']} | {kind} | {o:.1f} | {n:.1f} | {o / n:.2f} | {g:.0f} "
-                      f"({100 * g / bw:.0f}%) | {r.get('sdpa_bf16_ms', float('nan')) * 1e3:.1f} |", flush=True)
-        return
-    if args.decode_goal:
-        decode_goal(results, save, args.decode_goal, bw)
-        return
     if args.sweep:
         sweep(results, save)
     else:
@@ -418,78 +414,6 @@ def main():
             save()
     save()
     print_tables(results)
-
-
-# maxnreg caps registers per thread (more programs per SM, some spills); the first sweep of the
-# group-expanded kernel (BLOCK_N 64..256, 4/8 warps, 2/3 stages, no cap) picked 128/4/2.
-DECODE_GOAL_CANDIDATES = [dict(BLOCK_N=128, num_warps=4, num_stages=2)] + [
-    dict(BLOCK_N=bn, num_warps=w, num_stages=st, maxnreg=r)
-    for bn, w, st, r in ((128, 4, 2, 168), (128, 4, 2, 128), (64, 4, 2, 168), (64, 4, 2, 128), (64, 4, 3, 128),
-                         (128, 8, 2, 128), (128, 8, 2, 168), (64, 2, 2, 128), (32, 2, 2, 128))]
-DECODE_GOAL_SHAPES = [(b, c) for b in (1, 16, 64, 256) for c in (2048, 8192, 32768) if b * c <= (4 << 20)]
-
-
-def decode_goal(results, save, old_dir, bw):
-    import importlib
-
-    from eightbit.kernels.decode_attention import decode_attention
-
-    precompile([("decode", 128, "int8", c) for c in DECODE_GOAL_CANDIDATES])  # before old_dir is on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(old_dir)))
-    old = importlib.import_module(os.path.basename(os.path.abspath(old_dir)) + ".decode_attention")
-    best = None
-    for c in DECODE_GOAL_CANDIDATES:
-        set_config("DECODE", (128, "int8"), c)
-        logt = 0.0
-        try:
-            for bsz, ctx in ((64, 8192), (1, 32768), (16, 2048), (256, 2048)):
-                r = decode_case(bsz, ctx, kinds=("int8",), contiguous=False, sdpa=False)
-                logt += math.log(r["ours_int8_paged_ms"])
-                results["sweep"].append(dict(kernel="decode", kind="int8", cfg=c, batch=bsz, ctx=ctx,
-                                             GBs=r["ours_int8_paged_GBs"]))
-                print(f"sweep decode int8 {c} {bsz}x{ctx}: {r['ours_int8_paged_GBs']:.0f} GB/s", flush=True)
-        except Exception as e:
-            logt = float("inf")
-            print("sweep error", c, repr(e)[:300], flush=True)
-        if best is None or logt < best[0]:
-            best = (logt, c)
-    set_config("DECODE", (128, "int8"), best[1])
-    results["chosen"] = {"decode d128 int8": best[1]}
-    print("CHOSEN", json.dumps(results["chosen"]), flush=True)
-    save()
-    impls = {"new": decode_attention, "old": old.decode_attention}
-    rows = []
-    for bsz, ctx in DECODE_GOAL_SHAPES:
-        try:
-            r = decode_case(bsz, ctx, contiguous=False, impls=impls)
-        except Exception as e:
-            r = dict(batch=bsz, ctx=ctx, error=repr(e)[:300])
-            torch.cuda.empty_cache()
-        results["decode"].append(r)
-        rows.append(r)
-        print("decode", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-        save()
-    try:
-        r = prefill_case(128, 4096)
-    except Exception as e:
-        r = dict(d=128, seq=4096, error=repr(e)[:300])
-    results["prefill"].append(r)
-    save()
-    print(f"\n== {results['device']} copy {bw:.0f} GB/s, {results['date']}; int8 config {best[1]}")
-    print("prefill d128 4k TFLOP/s: " + ", ".join(f"{k}={v:.0f}" for k, v in r.items() if k.endswith("tflops")))
-    print("| batch | ctx | splits | int8 old µs | int8 new µs | new GB/s (% copy) | bf16 old µs | bf16 new µs "
-          "| SDPA bf16 µs | SDPA/int8new | bf16new/int8new |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(r)
-            continue
-        g = r["new_int8_paged_GBs"]
-        io, inn = r["old_int8_paged_ms"] * 1e3, r["new_int8_paged_ms"] * 1e3
-        bo, bn_ = r["old_bf16_paged_ms"] * 1e3, r["new_bf16_paged_ms"] * 1e3
-        sd = r.get("sdpa_bf16_ms", float("nan")) * 1e3
-        print(f"| {r['batch']} | {r['ctx']} | {r['splits']} | {io:.1f} | {inn:.1f} | {g:.0f} ({100 * g / bw:.0f}%) | "
-              f"{bo:.1f} | {bn_:.1f} | {sd:.1f} | {sd / inn:.2f} | {bn_ / inn:.2f} |", flush=True)
 
 
 def print_tables(res):

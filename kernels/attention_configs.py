@@ -21,18 +21,18 @@ PREFILL = {
 }
 
 DECODE = {
-    (64, "float"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
-    (64, "int8"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
-    (128, "float"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
-    (128, "int8"): dict(BLOCK_N=128, num_warps=4, num_stages=2),
+    (64, "float"): dict(BLOCK_N=32, num_warps=1, num_stages=3),
+    (64, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=2),
+    (128, "float"): dict(BLOCK_N=32, num_warps=1, num_stages=3),
+    (128, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=2),
 }
 
 # FlashDecoding split heuristic (decode): aim for about this many programs per multiprocessor,
 # but never give a split fewer than MIN_TOKENS_PER_SPLIT keys of the longest possible
 # context (block_tables.shape[1] * page size), and never more than MAX_SPLITS splits.
-DECODE_PROGRAMS_PER_SM = 4
-DECODE_MIN_TOKENS_PER_SPLIT = 256
-DECODE_MAX_SPLITS = 64
+DECODE_PROGRAMS_PER_SM = 8
+DECODE_MIN_TOKENS_PER_SPLIT = 128
+DECODE_MAX_SPLITS = 128
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
 
 # The reduce kernel and kv_write are tiny; one setting each.

@@ -11,8 +11,10 @@ Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context 
     rounded up to BLOCK_N: computed in the kernel from seq_lens, so the launch grid depends on
     shapes only (CUDA-graph capturable) and short sequences still spread over all splits.
   * K/V tiles of BLOCK_N keys are gathered through the block table (a tile may span several
-    pages); int8 tiles are dequantized in registers (int8 * fp16 group scale), then cast to
-    q.dtype; online softmax in base 2 (log2(e) folded into the scale).
+    pages); online softmax in base 2 (log2(e) folded into the scale). int8 tiles go into the
+    dot as exact bf16 integers and the group scales are applied around it (below). The int8 V
+    cache is key-minor (reference.py): for P·V each thread needs consecutive keys, which a
+    token-major int8 tile could only give one byte per shared-memory load.
   * With one split the program writes the output directly; otherwise it writes its
     normalized partial output (fp32) and log2-sum-exp, and
 Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
@@ -54,7 +56,7 @@ def _decode_kernel(
     qk_scale, num_splits,
     # strides (elements)
     stride_qb, stride_qh, stride_ob, stride_oh,
-    stride_cb, stride_cp, stride_ch, stride_sb, stride_sp, stride_sh, stride_bt,
+    stride_cb, stride_cp, stride_ch, stride_vb, stride_vh, stride_sb, stride_sp, stride_sh, stride_bt,
     # sizes and modes
     QPK: tl.constexpr, QPK_PAD: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -91,7 +93,9 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + b * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
+    v_head_off = kvh.to(tl.int64) * stride_vh
     scale_head_off = kvh.to(tl.int64) * stride_sh
+    RUN: tl.constexpr = min(PAGE_SIZE, BLOCK_N, 16)  # keys contiguous and aligned in int8 V (tiles start at multiples of BLOCK_N)
     m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QPK_PAD], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
@@ -108,7 +112,14 @@ def _decode_kernel(
         page_off = n % PAGE_SIZE
         slot_off = blk64 * stride_cb + page_off * stride_cp + kv_head_off
         k_raw = tl.load(k_cache_ptr + slot_off[:, None] + cols[None, :], mask=in_range[:, None], other=0)
-        v_raw = tl.load(v_cache_ptr + slot_off[:, None] + cols[None, :], mask=in_range[:, None], other=0)
+        if QUANT:
+            # int8 V is key-minor ([blocks, Hkv, D, PAGE]): load [D, BLOCK_N] with a page's keys
+            # adjacent (the hints let it be vector copies) and unmasked (a per-key mask would stop
+            # them; keys past the end read valid memory, hold no NaN, and have scale 0 and p 0)
+            v_off = tl.max_contiguous(tl.multiple_of(blk64 * stride_vb + page_off, RUN), RUN)
+            v_raw = tl.trans(tl.load(v_cache_ptr + v_head_off + v_off[None, :] + cols[:, None] * PAGE_SIZE))
+        else:
+            v_raw = tl.load(v_cache_ptr + slot_off[:, None] + cols[None, :], mask=in_range[:, None], other=0)
         if QUANT:
             scale_off = blk64 * stride_sb + page_off * stride_sp + scale_head_off
             s_ptrs = scale_off[None, :] + gi[:, None]  # [NG, BLOCK_N]
@@ -232,7 +243,7 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         qk_scale=float(softmax_scale) * LOG2E, num_splits=splits,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         stride_cb=k_cache.stride(0), stride_cp=k_cache.stride(1), stride_ch=k_cache.stride(2),
-        stride_sb=ks.stride(0), stride_sp=ks.stride(1), stride_sh=ks.stride(2), stride_bt=block_tables.stride(0),
+        stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1 if quant else 2), stride_sb=ks.stride(0), stride_sp=ks.stride(1), stride_sh=ks.stride(2), stride_bt=block_tables.stride(0),
         QPK=qpk, QPK_PAD=qpk_pad, HQ=hq, HEAD_DIM=d, GROUP=group,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, I8_VIA_BF16=i8_via_bf16(),
     ), **cfg)

@@ -3,6 +3,8 @@
 One program per token. It loads the token's cos/sin row once, rotates every query head
 and every key head (rotate-half, HF Llama: the first half pairs with the second half), and
 writes k and v into the token's cache slot (slot = block * page_size + offset; -1 = skip).
+The int8 V cache is key-minor (reference.py), so a token's V channels land block_size bytes
+apart: the kernel takes the token-major view's strides, head_dim's included.
 
 Rotation of a whole head row at once: column c takes its partner c + D/2 (mod D), so
 
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from .attention_configs import KV_WRITE
 from .launch import FastLauncher
+from .reference import v_token_major
 
 
 @triton.jit
@@ -40,7 +43,7 @@ def _round_half_even(y):
 @triton.jit
 def _store_head_rows(
     x,  # [H_PAD, D] float32, already rounded to the input dtype
-    cache_ptr, scale_ptr, cache_base, scale_base, stride_ch, stride_sh, rows, cols,
+    cache_ptr, scale_ptr, cache_base, scale_base, stride_ch, stride_cd, stride_sh, rows, cols,
     H: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
 ):
     mask = (rows < H)[:, None]
@@ -54,11 +57,11 @@ def _store_head_rows(
         qv = _round_half_even(g * inv[:, :, None])
         qv = tl.minimum(tl.maximum(qv, -127.0), 127.0).to(tl.int8)
         qv = tl.reshape(qv, (H_PAD, HEAD_DIM))
-        tl.store(cache_ptr + cache_base + rows[:, None] * stride_ch + cols[None, :], qv, mask=mask)
+        tl.store(cache_ptr + cache_base + rows[:, None] * stride_ch + cols[None, :] * stride_cd, qv, mask=mask)
         gcols = tl.arange(0, NG)
         tl.store(scale_ptr + scale_base + rows[:, None] * stride_sh + gcols[None, :], scale, mask=mask)
     else:
-        tl.store(cache_ptr + cache_base + rows[:, None] * stride_ch + cols[None, :],
+        tl.store(cache_ptr + cache_base + rows[:, None] * stride_ch + cols[None, :] * stride_cd,
                  x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -70,7 +73,7 @@ def _rope_kv_write_kernel(
     # strides (elements; head_dim is contiguous everywhere)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_cs,
-    stride_kcb, stride_kcp, stride_kch, stride_vcb, stride_vcp, stride_vch,
+    stride_kcb, stride_kcp, stride_kch, stride_vcb, stride_vcp, stride_vch, stride_vcd,
     stride_ksb, stride_ksp, stride_ksh, stride_vsb, stride_vsp, stride_vsh,
     # sizes
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
@@ -109,11 +112,11 @@ def _rope_kv_write_kernel(
         blk = slot // PAGE_SIZE
         off = slot % PAGE_SIZE
         _store_head_rows(k.to(tl.float32), k_cache_ptr, k_scale_ptr, blk * stride_kcb + off * stride_kcp,
-                         blk * stride_ksb + off * stride_ksp, stride_kch, stride_ksh, kv_rows, cols,
+                         blk * stride_ksb + off * stride_ksp, stride_kch, 1, stride_ksh, kv_rows, cols,
                          HKV, HKV_PAD, HEAD_DIM, GROUP, QUANT)
         v = tl.load(v_ptr + t * stride_vt + kv_rows[:, None] * stride_vh + cols[None, :], mask=kv_mask, other=0.0)
         _store_head_rows(v.to(tl.float32), v_cache_ptr, v_scale_ptr, blk * stride_vcb + off * stride_vcp,
-                         blk * stride_vsb + off * stride_vsp, stride_vch, stride_vsh, kv_rows, cols,
+                         blk * stride_vsb + off * stride_vsp, stride_vch, stride_vcd, stride_vsh, kv_rows, cols,
                          HKV, HKV_PAD, HEAD_DIM, GROUP, QUANT)
 
 
@@ -123,13 +126,11 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     t, hkv, d = k.shape
     if d < 16 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
     if k_cache.shape[2:] != (hkv, d):
         raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} do not match k's {(hkv, d)}")
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    v_token_major(k_cache, v_cache)  # checks v_cache's shape and dtype (int8 V is key-minor)
     quant = k_cache.dtype == torch.int8
     if quant:
         if k_scale is None or v_scale is None:
@@ -149,7 +150,7 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     elif not k_cache.dtype.is_floating_point:
         raise ValueError(f"the cache must be int8 or a float dtype, got {k_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("head_dim must be the contiguous (last, stride 1) dim of k, v and the caches")
+        raise ValueError("the caches' last dim and head_dim of k and v must be contiguous (stride 1)")
     if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32/int64 [T={t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     tensors = [k, v, k_cache, v_cache, slot_mapping] + ([k_scale, v_scale] if quant else [])
@@ -188,6 +189,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
     group = d // k_scale.shape[-1] if quant else d
+    vc = v_token_major(k_cache, v_cache)  # int8: a strided view (stride_vcd = block_size)
     _launch_rope_kv((t,), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, q_out_ptr=q_out, pos_ptr=positions, cos_sin_ptr=cos_sin_cache,
         k_cache_ptr=k_cache, v_cache_ptr=v_cache, k_scale_ptr=ks, v_scale_ptr=vs, slot_ptr=slot_mapping,
@@ -195,7 +197,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
         stride_vt=v.stride(0), stride_vh=v.stride(1),
         stride_ot=q_out.stride(0), stride_oh=q_out.stride(1), stride_cs=cos_sin_cache.stride(0),
         stride_kcb=k_cache.stride(0), stride_kcp=k_cache.stride(1), stride_kch=k_cache.stride(2),
-        stride_vcb=v_cache.stride(0), stride_vcp=v_cache.stride(1), stride_vch=v_cache.stride(2),
+        stride_vcb=vc.stride(0), stride_vcp=vc.stride(1), stride_vch=vc.stride(2), stride_vcd=vc.stride(3),
         stride_ksb=ks.stride(0), stride_ksp=ks.stride(1), stride_ksh=ks.stride(2),
         stride_vsb=vs.stride(0), stride_vsp=vs.stride(1), stride_vsh=vs.stride(2),
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),

@@ -10,7 +10,8 @@ Algorithm, one program per (query head, BLOCK_M query tile of one sequence):
   * Q tile [BLOCK_M, D] stays in registers; K/V tiles of BLOCK_N keys are gathered through
     the block table (a tile may span several pages: slot = table[n // PAGE] * PAGE + n % PAGE).
   * int8 cache: the tile is dequantized in registers (int8 * per-(token, head, group) fp16
-    scale, reshaped [BLOCK_N, D/G, G]) and cast to q.dtype for the tensor-core dot.
+    scale, reshaped [BLOCK_N, D/G, G]) and cast to q.dtype for the tensor-core dot. V is
+    stored key-minor (reference.py), so its tile is read as [D, BLOCK_N], a page's keys adjacent.
   * Online softmax in base 2: scores are scaled by softmax_scale * log2(e) once, so exp2 is
     the only transcendental; the running max m, sum l and output acc are rescaled per tile.
   * Causal: tiles wholly at or below the tile's first query position run without a mask;
@@ -34,6 +35,7 @@ import triton.language as tl
 
 from .attention_configs import prefill_config
 from .launch import FastLauncher
+from .reference import v_token_major
 
 LOG2E = 1.4426950408889634
 
@@ -95,10 +97,41 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _load_v_key_minor(
+    v_ptr, scale_ptr, page_base, page_off, scale_off, cols, row_mask,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr,
+):
+    """[BLOCK_N, HEAD_DIM] values from the key-minor int8 V cache ([blocks, Hkv, D, PAGE];
+    page_base = the key's block offset + the head's), dequantized to OUT_DTYPE.
+
+    Loaded as [D, BLOCK_N] with a page's keys adjacent. The load is not masked: a mask per key
+    would stop the vector loads, and the keys past the end read valid memory (the rest of the
+    last page, or block 0 where the table load was masked); int8 holds no NaN, and those keys'
+    scales load as 0 and their probabilities are 0."""
+    BN: tl.constexpr = page_off.shape[0]
+    RUN: tl.constexpr = min(PAGE_SIZE, BN, 16)  # keys contiguous and RUN-aligned (tiles start at multiples of BN)
+    off = tl.max_contiguous(tl.multiple_of(page_base + page_off, RUN), RUN)
+    x = tl.load(v_ptr + off[None, :] + cols[:, None] * PAGE_SIZE)  # [D, BN]
+    NG: tl.constexpr = HEAD_DIM // GROUP
+    sptrs = scale_ptr + scale_off[:, None] + tl.arange(0, NG)[None, :]
+    if MASKED:
+        s = tl.load(sptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        s = tl.load(sptrs)
+    if I8_VIA_BF16:  # see _dequant_tile
+        xf = x.to(tl.bfloat16).to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    xf = tl.reshape(xf, (NG, GROUP, BN)) * tl.trans(s.to(tl.float32))[:, None, :]
+    return tl.trans(tl.reshape(xf, (HEAD_DIM, BN)).to(OUT_DTYPE))
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr,
-    stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
+    stride_cb, stride_cp, kv_head_off, stride_vb, v_head_off, stride_sb, stride_sp, scale_head_off, cols,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     QUANT: tl.constexpr, MASKED: tl.constexpr, I8_VIA_BF16: tl.constexpr,
 ):
@@ -122,8 +155,12 @@ def _attend_tile(
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_seq,
-                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, I8_VIA_BF16)
+    if QUANT:
+        v = _load_v_key_minor(v_cache_ptr, v_scale_ptr, blk * stride_vb + v_head_off, page_off, scale_off, cols,
+                              in_seq, HEAD_DIM, GROUP, PAGE_SIZE, MASKED, q.dtype, I8_VIA_BF16)
+    else:
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_seq,
+                          HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, I8_VIA_BF16)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(q.dtype), v, acc)
     return acc, m_new, l_i
@@ -138,7 +175,7 @@ def _prefill_kernel(
     qk_scale, num_seqs,
     # strides (elements)
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cp, stride_ch, stride_sb, stride_sp, stride_sh, stride_bt,
+    stride_cb, stride_cp, stride_ch, stride_vb, stride_vh, stride_sb, stride_sp, stride_sh, stride_bt,
     # sizes and modes
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr,
@@ -168,6 +205,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kvh.to(tl.int64) * stride_ch
+    v_head_off = kvh.to(tl.int64) * stride_vh
     scale_head_off = kvh.to(tl.int64) * stride_sh
 
     first_pos = ctx + m_tile * BLOCK_M
@@ -177,13 +215,13 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
-            stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
+            stride_cb, stride_cp, kv_head_off, stride_vb, v_head_off, stride_sb, stride_sp, scale_head_off, cols,
             HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False, I8_VIA_BF16)
     for n_start in range(full_end, last_pos, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
-            stride_cb, stride_cp, kv_head_off, stride_sb, stride_sp, scale_head_off, cols,
+            stride_cb, stride_cp, kv_head_off, stride_vb, v_head_off, stride_sb, stride_sp, scale_head_off, cols,
             HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True, I8_VIA_BF16)
 
     out = acc / l_i[:, None]
@@ -205,17 +243,22 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     _, hq, d = q.shape
     if d < 16 or d & (d - 1):
         raise ValueError(f"{name}: head_dim must be a power of two >= 16, got {d}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"{name}: k_cache and v_cache must be one dtype and shape [num_blocks, block_size, Hkv, D], "
-                         f"got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"{name}: k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
+    v_token_major(k_cache, v_cache)  # v_cache's shape and dtype (int8 V is key-minor)
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise ValueError(f"{name}: cache head_dim {k_cache.shape[3]} != q's {d}")
     if hq % hkv:
         raise ValueError(f"{name}: {hq} query heads are not a multiple of {hkv} kv heads")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError(f"{name}: k_cache and v_cache must share strides, and q and the caches need a contiguous head_dim")
     quant = k_cache.dtype == torch.int8
+    nb, page = k_cache.shape[:2]
+    v_inner = (d * page, page, 1) if quant else k_cache.stride()[1:]  # int8 V: each page-head contiguous
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or v_cache.stride()[1:] != v_inner:
+        raise ValueError(f"{name}: q and k_cache need a contiguous head_dim, and v_cache "
+                         f"{'contiguous blocks' if quant else 'the strides of k_cache'}")
+    if quant and page & (page - 1):
+        raise ValueError(f"{name}: an int8 cache needs a power-of-two block_size, got {page}")
     group = d
     if quant:
         if k_scale is None or v_scale is None:
@@ -308,6 +351,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
         qk_scale=float(softmax_scale) * LOG2E, num_seqs=b,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cb=k_cache.stride(0), stride_cp=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1 if quant else 2),
         stride_sb=ks.stride(0), stride_sp=ks.stride(1), stride_sh=ks.stride(2),
         stride_bt=block_tables.stride(0),
         QPK=hq // hkv, HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1],

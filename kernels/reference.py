@@ -5,10 +5,17 @@ under kernels/; `kernels.ops` picks one by device. Math is done in float32 and
 cast back to the input dtype at the end.
 
 The paged KV cache (one layer):
-    k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]   model dtype or int8
+    k_cache           [num_blocks, block_size, num_kv_heads, head_dim]   model dtype or int8
+    v_cache           the same for a float cache; int8: [num_blocks, num_kv_heads, head_dim, block_size]
     k_scale, v_scale  [num_blocks, block_size, num_kv_heads, head_dim // G]  float16, int8 cache only
 A token's slot is block_id * block_size + offset; sequence b's tokens live in
 the blocks block_tables[b, 0], block_tables[b, 1], ... in order.
+
+The int8 V cache is stored key-minor (a page's keys adjacent for each channel) because the
+attention kernels' P·V tensor-core dot reads consecutive keys per thread, and sm_90 can
+transpose 16-bit tiles on the way from shared memory (ldmatrix.trans) but not 8-bit ones:
+token-major int8 V was read one byte at a time (docs/benchmarks/attention.md). `v_token_major`
+gives the [num_blocks, block_size, Hkv, D] view every reference op works on.
 """
 
 import torch
@@ -89,21 +96,38 @@ def rotary(q, k, positions, cos_sin_cache):
     return rotate(q), rotate(k)
 
 
+def v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    """The stored shape of a V cache: int8 is key-minor (see the module docstring)."""
+    if dtype == torch.int8:
+        return (num_blocks, num_kv_heads, head_dim, block_size)
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def v_token_major(k_cache, v_cache):
+    """v_cache as a [num_blocks, block_size, Hkv, D] view (no copy; writes go to the cache)."""
+    want = v_cache_shape(*k_cache.shape, v_cache.dtype)
+    if tuple(v_cache.shape) != want or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache must be {k_cache.dtype} {want} for a k_cache of shape {tuple(k_cache.shape)} "
+                         f"(an int8 V cache is [num_blocks, Hkv, D, block_size]), got {v_cache.dtype} "
+                         f"{tuple(v_cache.shape)}")
+    return v_cache.permute(0, 3, 1, 2) if v_cache.dtype == torch.int8 else v_cache
+
+
 def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     """Store k, v [T, Hkv, D] at their slots; quantize in groups if the cache is int8. In place.
 
     A slot of -1 means "do not store" (padding)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    for x, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
-        flat = cache.view(-1, *cache.shape[2:])
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    for x, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_token_major(k_cache, v_cache), v_scale)):
         if scale is None:
-            flat[slots] = x.to(cache.dtype)
+            cache[block, offset] = x.to(cache.dtype)
         else:
             group_size = cache.shape[-1] // scale.shape[-1]
             q, s = quantize_groups(x, group_size, scale.dtype)
-            flat[slots] = q
-            scale.view(-1, *scale.shape[2:])[slots] = s
+            cache[block, offset] = q
+            scale[block, offset] = s
 
 
 def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping):
@@ -114,7 +138,9 @@ def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, 
 
 
 def gather_kv(cache, scale, block_table, length):
-    """The first `length` tokens of one sequence from the paged cache, dequantized: [length, Hkv, D] f32."""
+    """The first `length` tokens of one sequence from the paged cache, dequantized: [length, Hkv, D] f32.
+
+    cache: token-major [num_blocks, block_size, Hkv, D] (for V: v_token_major's view)."""
     block_size = cache.shape[1]
     blocks = block_table[: (length + block_size - 1) // block_size].long()
     x = cache[blocks].flatten(0, 1)[:length]
@@ -142,7 +168,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
         if e == s:
             continue
         k = gather_kv(k_cache, k_scale, block_tables[b], length)
-        v = gather_kv(v_cache, v_scale, block_tables[b], length)
+        v = gather_kv(v_token_major(k_cache, v_cache), v_scale, block_tables[b], length)
         out[s:e] = _attend(q[s:e], k, v, softmax_scale, first_pos=length - (e - s))
     return out
 
@@ -155,7 +181,7 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_le
     """
     b, hq, d = q.shape
     k = gather_kv_padded(k_cache, k_scale, block_tables)  # [B, L, Hkv, D]
-    v = gather_kv_padded(v_cache, v_scale, block_tables)
+    v = gather_kv_padded(v_token_major(k_cache, v_cache), v_scale, block_tables)
     hkv = k.shape[2]
     qg = q.float().view(b, hkv, hq // hkv, d)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * softmax_scale

@@ -38,11 +38,12 @@ def cos_sin(max_pos, d, theta=10000.0):
 
 
 def empty_cache(num_blocks, page, hkv, d, dtype, group, device="cpu"):
-    """A poisoned cache: int8 values 77 with NaN scales, or NaN floats."""
+    """A poisoned cache: int8 values 77 with NaN scales (V key-minor), or NaN floats."""
     if dtype == torch.int8:
         kc = torch.full((num_blocks, page, hkv, d), 77, dtype=torch.int8, device=device)
+        vc = torch.full(R.v_cache_shape(num_blocks, page, hkv, d, dtype), 77, dtype=torch.int8, device=device)
         ks = torch.full((num_blocks, page, hkv, d // group), float("nan"), dtype=torch.float16, device=device)
-        return kc, kc.clone(), ks, ks.clone()
+        return kc, vc, ks, ks.clone()
     kc = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=device)
     return kc, kc.clone(), None, None
 
@@ -188,6 +189,12 @@ def test_kv_write_rejects_bad_inputs():
     with pytest.raises(ValueError, match="heads/head_dim"):
         kv_write(torch.randn(4, 3, 64, dtype=torch.float16), torch.randn(4, 3, 64, dtype=torch.float16),
                  kc, vc, ks, vs, slots)
+    with pytest.raises(ValueError, match=r"int8 V cache is \[num_blocks, Hkv, D, block_size\]"):
+        kv_write(k, k, kc, kc.clone(), ks, vs, slots)  # a token-major int8 V cache
+    before = [x.clone() for x in (kc, vc, ks, vs)]
+    with pytest.raises(ValueError, match="v_cache must be"):
+        kv_write(k, k, kc, vc.float(), ks, vs, slots)
+    assert all(torch.equal(a.nan_to_num(1.0), b.nan_to_num(1.0)) for a, b in zip((kc, vc, ks, vs), before))
 
 
 # --- prefill (CPU) -----------------------------------------------------------------------------
@@ -288,8 +295,13 @@ def test_attention_rejects_bad_inputs():
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         prefill_attention(q, kc, vc, ks, vs, sc.block_tables, sc.cu[:1], sc.seq_lens, 0.1)
     with pytest.raises(ValueError, match="power of two"):
-        decode_attention(torch.randn(1, 8, 48, dtype=torch.float16), kc[..., :48], vc[..., :48], ks, vs,
+        decode_attention(torch.randn(1, 8, 48, dtype=torch.float16), kc[..., :48], vc[:, :, :48], ks, vs,
                          sc.block_tables, sc.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="key-minor|int8 V cache is"):
+        prefill_attention(q, kc, kc.clone(), ks, vs, sc.block_tables, sc.cu, sc.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="contiguous blocks"):
+        decode_attention(q, kc, vc.transpose(2, 3).contiguous().transpose(2, 3), ks, vs, sc.block_tables,
+                         sc.seq_lens, 0.1)
 
 
 # --- GPU: bf16, compiled, FlashAttention's accuracy rule -------------------------------------
@@ -300,7 +312,7 @@ def _dequant_cache(kc, vc, ks, vs):
         return kc, vc, None, None
     from eightbit.quant.int8 import dequantize_groups
 
-    return dequantize_groups(kc, ks).double(), dequantize_groups(vc, vs).double(), None, None
+    return dequantize_groups(kc, ks).double(), dequantize_groups(R.v_token_major(kc, vc), vs).double(), None, None
 
 
 def _bf16_torch_attention(q, kc, vc, ks, vs, block_tables, cu, seq_lens, scale):

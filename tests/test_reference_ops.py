@@ -29,8 +29,9 @@ def test_paged_attention_on_a_poisoned_shuffled_cache(int8):
     k_cache = torch.full((blocks, bs, hkv, d), float("nan"))
     v_cache = k_cache.clone()
     k_scale = v_scale = None
-    if int8:
-        k_cache, v_cache = k_cache.to(torch.int8), v_cache.to(torch.int8)
+    if int8:  # the int8 V cache is stored key-minor
+        k_cache = k_cache.to(torch.int8)
+        v_cache = torch.full(R.v_cache_shape(blocks, bs, hkv, d, torch.int8), 77, dtype=torch.int8)
         k_scale = torch.full((blocks, bs, hkv, d // 8), float("nan"), dtype=torch.float16)
         v_scale = k_scale.clone()
     lens = [7, 1, 10]
@@ -41,7 +42,7 @@ def test_paged_attention_on_a_poisoned_shuffled_cache(int8):
         slots = torch.tensor([tables[b, p // bs] * bs + p % bs for p in range(length)])
         R.kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slots)
         keys.append(R.gather_kv(k_cache, k_scale, tables[b], length))
-        values.append(R.gather_kv(v_cache, v_scale, tables[b], length))
+        values.append(R.gather_kv(R.v_token_major(k_cache, v_cache), v_scale, tables[b], length))
         if not int8:
             assert torch.equal(keys[-1], k)
     q = torch.randn(3, hq, d)
@@ -60,11 +61,15 @@ def test_paged_attention_on_a_poisoned_shuffled_cache(int8):
 def test_int8_kv_write_round_trip_error_is_within_half_a_step():
     x = torch.randn(5, 2, 64) * torch.logspace(-2, 2, 64)
     cache = torch.zeros(2, 4, 2, 64, dtype=torch.int8)
+    v_cache = torch.zeros(R.v_cache_shape(2, 4, 2, 64, torch.int8), dtype=torch.int8)
     scale = torch.zeros(2, 4, 2, 2, dtype=torch.float16)
-    R.kv_write(x, x, cache, cache.clone(), scale, scale.clone(), torch.arange(5))
-    back = dequantize_groups(cache.view(-1, 2, 64)[:5], scale.view(-1, 2, 2)[:5])
-    step = scale.view(-1, 2, 2)[:5].float().repeat_interleave(32, -1)
-    assert ((back - x).abs() <= 0.5 * step * 1.01 + 1e-7).all()
+    v_scale = scale.clone()
+    R.kv_write(x, -x, cache, v_cache, scale, v_scale, torch.arange(5))
+    for c, s, want in ((cache, scale, x), (R.v_token_major(cache, v_cache), v_scale, -x)):
+        back = dequantize_groups(c.reshape(-1, 2, 64)[:5], s.view(-1, 2, 2)[:5])
+        step = s.view(-1, 2, 2)[:5].float().repeat_interleave(32, -1)
+        assert ((back - want).abs() <= 0.5 * step * 1.01 + 1e-7).all()
+    assert torch.equal(v_cache[0, 1, :, 3], R.quantize_groups(-x[3], 32, torch.float16)[0][1])  # key-minor
 
 
 def test_rms_norm_and_int8_gemm_by_hand():
