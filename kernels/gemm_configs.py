@@ -7,8 +7,10 @@ GPU and writes `gemm_configs.json` beside this file; `get_config` reads it once
 table does not hold.
 
 M is bucketed: a config tuned at bucket B serves every M in (previous bucket, B].
-A config names its kernel: "dot" (the tiled tensor-core kernel, any M) or "gemv" (the dp4a
-weight-streaming kernel for M <= 8: block_m is then the activation rows per program, 1-8).
+A config names its kernel: "dot" (the tiled tensor-core kernel, any M), "gemv" (the dp4a
+weight-streaming kernel for M <= 8: block_m is then the activation rows per program, 1-8) or
+"tma" (the persistent TMA-fed tiled kernel for large M; split_k 1; falls back to "dot" where
+TMA is unavailable).
 """
 
 import json

@@ -72,6 +72,9 @@ GEMV_CONFIGS = [  # block_m = activation rows per program; block_k in bytes (a m
     GemmConfig(8, 16, 128, split_k=4, num_warps=4, num_stages=1, kernel="gemv"),
 ]
 GEMV_SHAPES = [(1, 50, 100), (3, 33, 96), (8, 40, 160), (11, 20, 64), (2, 64, 260)]
+TMA_CONFIGS = [GemmConfig(32, 32, 64, group_m=2, num_warps=4, num_stages=2, kernel="tma"),
+               GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3, kernel="tma")]
+TMA_SHAPES = [(1, 48, 64), (70, 96, 160), (33, 32, 32), (100, 144, 96)]  # K and N multiples of 16 (TMA rows)
 
 
 def _check_gemm_exact(device, cfg, m, n, k, seed):
@@ -161,6 +164,28 @@ def test_gemm_matches_reference_cpu(cfg, shape, out_dtype, with_bias):
 
 
 @cpu
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=lambda c: f"tma{c.block_m}x{c.block_n}x{c.block_k}")
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=str)
+def test_gemm_tma_int32_exact_cpu(cfg, shape):
+    # more tiles than the 4 persistent programs the interpreter gets: each program walks several
+    _check_gemm_exact("cpu", cfg, *shape, seed=hash((cfg, shape)) % 1000)
+
+
+@cpu
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_tma_matches_reference_and_falls_back_cpu(with_bias):
+    _check_gemm_ref("cpu", TMA_CONFIGS[0], 37, 70, 96, seed=8, out_dtype=torch.float16, with_bias=with_bias, exact=False)
+    # rows that TMA cannot describe (K % 16 != 0, a misaligned view, N = 40 output rows) take the pointer kernel
+    g = _gen(13)
+    xq, wq = _int8((5, 168), g, "cpu"), _int8((40, 168), g, "cpu")
+    one_m, one_n = torch.ones(5, 1), torch.ones(40, 1)
+    for xk, wk in ((xq[:, :100], wq[:, :100]), (xq[:, 1:161], wq[:, 1:161]), (xq[:, :160].contiguous(),
+                                                                               wq[:, :160].contiguous())):
+        out = int8_gemm_with_config(xk, one_m, wk, one_n, None, torch.float32, TMA_CONFIGS[0])
+        assert torch.equal(out, (xk.long() @ wk.long().t()).float())
+
+
+@cpu
 def test_gemm_default_config_and_table_lookup_cpu(poison):
     # SmolLM2-135M's o-projection shape through the public entry point (table or default config)
     g = _gen(3)
@@ -212,12 +237,13 @@ def test_config_table_is_well_formed():
         if cfg.kernel == "gemv":
             assert cfg.block_m in (1, 2, 4, 8) and cfg.block_k % 16 == 0 and cfg.block_n >= 8
         else:
-            assert cfg.kernel == "dot" and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
+            assert cfg.kernel in ("dot", "tma") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
+            assert cfg.kernel == "dot" or cfg.split_k == 1
     assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(3) == 4 and gemm_configs.m_bucket(17) == 32
     assert gemm_configs.m_bucket(100000) == gemm_configs.M_BUCKETS[-1]
     for m in (1, 3, 8, 64, 65, 5000):
         cfg = gemm_configs.get_config(m, 4096, 4096)
-        assert cfg.block_k >= 32 and (cfg.kernel == "dot" or m <= 8 * cfg.block_m)
+        assert cfg.block_k >= 32 and (cfg.kernel != "gemv" or m <= 8 * cfg.block_m)
 
 
 # --- the row kernels ----------------------------------------------------------------------
@@ -332,12 +358,14 @@ def test_gemm_gpu_table_shapes(nk, m):
 @needs_cuda
 @pytest.mark.parametrize("cfg", [SMALL_CONFIGS[1], GemmConfig(16, 64, 256, 1, 8, 4, 4), GemmConfig(128, 256, 128, 8, 1, 8, 3),
                                  GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), GemmConfig(4, 16, 256, 1, 3, 4, 1, "gemv"),
-                                 GemmConfig(8, 8, 512, 1, 1, 4, 1, "gemv")],
+                                 GemmConfig(8, 8, 512, 1, 1, 4, 1, "gemv"), GemmConfig(256, 128, 128, 8, 1, 8, 3, "tma"),
+                                 GemmConfig(128, 128, 128, 8, 1, 4, 4, "tma")],
                          ids=lambda c: "x".join(map(str, c.key())))
-@pytest.mark.parametrize("shape", [(1, 50, 100), (33, 20, 32), (70, 96, 200), (64, 4096, 4096), (300, 1000, 1000)],
-                         ids=str)
+@pytest.mark.parametrize("shape", [(1, 50, 100), (33, 20, 32), (70, 96, 200), (64, 4096, 4096), (300, 1000, 1000),
+                                   (520, 1040, 2048)], ids=str)
 def test_gemm_gpu_configs(cfg, shape):
-    _check_gemm_exact("cuda", cfg, *shape[:2], min(shape[2], 1000), seed=1)
+    # K <= 992 keeps |acc| < 2^24 (exact in fp32); 992 is a multiple of 16, so TMA configs run there
+    _check_gemm_exact("cuda", cfg, *shape[:2], min(shape[2], 992), seed=1)
     for bias in (False, True):
         _check_gemm_ref("cuda", cfg, *shape, seed=2, out_dtype=torch.bfloat16, with_bias=bias, exact=False)
 
