@@ -115,7 +115,7 @@ class DecodeGraphs(_Graphs):
 
     def _context(self, b, warm_up):
         return Context(is_decode=True, slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
-                       seq_lens=self.seq_lens[:b])
+                       seq_lens=self.seq_lens[:b], num_decodes=b)
 
 
 class PrefillGraphs(_Graphs):

@@ -97,6 +97,7 @@ class ModelRunner:
         sequence's token sampled by the step before, not yet appended to its token_ids)."""
         if copies:
             self.kv_cache.copy_blocks(copies)
+        scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # one-token sequences first (stable)
         input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled, input_tokens)
         hidden = self._run_graph(input_ids, positions, context)
         if hidden is None:
@@ -119,7 +120,8 @@ class ModelRunner:
     def _run_eager(self, input_ids, positions, context):
         dev = self.device
         context = Context(context.is_decode, *(t.to(dev, non_blocking=True) for t in (
-            context.slot_mapping, context.block_tables, context.seq_lens, context.cu_seqlens_q)))
+            context.slot_mapping, context.block_tables, context.seq_lens, context.cu_seqlens_q)),
+            num_decodes=context.num_decodes)
         set_context(context)
         try:
             return self.model(input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True))
@@ -170,13 +172,15 @@ class ModelRunner:
                 sample_seqs.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
+        nd = next((i for i, (_, n) in enumerate(scheduled) if n != 1), len(scheduled))  # run() put them first
         # Built on the host; moved to the device by _run_eager or copied into the graphs' buffers.
         context = Context(
-            is_decode=all(n == 1 for _, n in scheduled),
+            is_decode=nd == len(scheduled),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=torch.tensor(tables, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu[nd:], dtype=torch.int32) - nd,
+            num_decodes=nd,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64) if input_tokens is None else input_tokens
         pos = torch.tensor(positions, dtype=torch.int64)

@@ -37,6 +37,7 @@ DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
 
 # The reduce kernel and kv_write are tiny; one setting each.
 REDUCE = dict(num_warps=4)
+REDUCE_CHUNK = 16  # splits merged per step of the reduce loop
 KV_WRITE = dict(num_warps=4)
 
 

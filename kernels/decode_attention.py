@@ -17,7 +17,8 @@ Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context 
     token-major int8 tile could only give one byte per shared-memory load.
   * With one split the program writes the output directly; otherwise it writes its
     normalized partial output (fp32) and log2-sum-exp, and
-Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)
+(a few splits at a time with a running max, so the split count is not compiled in).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
 
 num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the multiprocessor count, and
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_configs import REDUCE, decode_config, decode_num_splits
+from .attention_configs import REDUCE, REDUCE_CHUNK, decode_config, decode_num_splits
 from .launch import FastLauncher
 from .prefill_attention import LOG2E, check_attention_inputs, i8_via_bf16
 
@@ -47,7 +48,8 @@ def _i8_to(x, DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr):
         return x.to(tl.float32).to(DTYPE)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])  # see _prefill_kernel
 def _decode_kernel(
     # pointers
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -167,21 +169,29 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    """Merge the splits CHUNK at a time with a running max, so one compiled kernel serves every
+    split count (a new count at run time, e.g. in an eager mixed step, costs no compile)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
     cols = tl.arange(0, HEAD_DIM)
     base = (b * HQ + h) * num_splits
-    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty only for seq_len 0 (padding)
-    w = tl.math.exp2(lse - m)
-    o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + cols[None, :],
-                mask=(w > 0)[:, None], other=0.0)
-    wsum = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
+    m = tl.full([], float("-inf"), tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    wsum = tl.zeros([], tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty (seq_len 0)
+        w = tl.math.exp2(lse - m_ref)
+        o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + cols[None, :], mask=(w > 0)[:, None], other=0.0)
+        rescale = tl.math.exp2(m - m_ref)
+        acc = acc * rescale + tl.sum(o * w[:, None], 0)
+        wsum = wsum * rescale + tl.sum(w, 0)
+        m = m_new
+    res = acc / tl.where(wsum > 0, wsum, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, res.to(out_ptr.dtype.element_ty))
 
 
@@ -251,6 +261,6 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         _launch_reduce((bsz, hq), dict(
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
             stride_ob=out.stride(0), stride_oh=out.stride(1),
-            HQ=hq, HEAD_DIM=d, SPLITS_PAD=triton.next_power_of_2(splits),
+            HQ=hq, HEAD_DIM=d, CHUNK=REDUCE_CHUNK,
         ), **REDUCE)
     return out

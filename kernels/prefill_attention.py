@@ -166,7 +166,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# (a mixed step passes block_tables[nd:] and seq_lens[nd:], views at any offset: no alignment
+# specialization for them, or each new offset alignment would compile another variant mid-run)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     # pointers
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,

@@ -257,7 +257,7 @@ def decode_ref(q, kc, vc, ks, vs, block_tables, seq_lens, scale):
 
 @cpu_only
 @pytest.mark.parametrize("dtype,cache,d,hq,hkv,page", PREFILL_CASES)
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("splits", [None, 1, 3, 37])  # 37: the reduce merges 16 splits at a time
 def test_decode_matches_reference(monkeypatch, dtype, cache, d, hq, hkv, page, splits):
     cache_dtype, group = _cache_args(cache, d, dtype)
     sc = Scenario(DECODE_SEQS, hq, hkv, d, cache_dtype, group, page=page, share_prefix_blocks=1, seed=hq * d)
@@ -274,7 +274,7 @@ def test_decode_padded_slot_gives_zeros_and_default_signature():
     seq_lens = sc.seq_lens.clone()
     seq_lens[1] = 0  # a padded batch slot (CUDA-graph bucket)
     q = torch.randn(3, 8, 64, dtype=torch.float16)
-    for splits in (1, 4):
+    for splits in (1, 4, 40):  # 40: most splits empty, merged over three reduce chunks
         out = decode_attention_splits(q, *sc.caches, sc.block_tables, seq_lens, 0.125, splits)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         ref = decode_ref(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125)

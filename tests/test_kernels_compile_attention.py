@@ -33,8 +33,12 @@ SCRIPT = textwrap.dedent(
     DIV16 = ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_cb", "stride_cp", "stride_ch", "stride_sb",
              "stride_bt", "stride_qt", "stride_ot")
 
+    # the kernels do not specialize on these pointers' alignment (mixed steps pass views at any offset)
+    UNALIGNED = ("block_tables_ptr", "seq_lens_ptr")
+
     def build(name, fn, ptrs, scalars, consts, opts):
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in ptrs or a in DIV16}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if (a in ptrs or a in DIV16) and a not in UNALIGNED}
         sig = {}
         for a in fn.arg_names:
             if a in consts:
@@ -75,7 +79,7 @@ SCRIPT = textwrap.dedent(
                 build(f"decode d{d} {kind} splits{splits}", _decode_kernel, ptrs, {"qk_scale": "fp32"}, consts, c)
             build(f"reduce d{d}", _decode_reduce_kernel,
                   {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}, {},
-                  dict(HQ=32, HEAD_DIM=d, SPLITS_PAD=8), dict(C.REDUCE))
+                  dict(HQ=32, HEAD_DIM=d, CHUNK=C.REDUCE_CHUNK), dict(C.REDUCE))
         for d in (64, 128):
             for kind in ("int8", "float"):
                 for rope in (True, False):

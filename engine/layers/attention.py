@@ -1,5 +1,6 @@
 """Paged attention: RoPE and the KV-cache write, then prefill or decode attention over the cache."""
 
+import torch
 from torch import nn
 
 from eightbit.engine.context import get_context
@@ -27,5 +28,12 @@ class Attention(nn.Module):
         if ctx.is_decode:
             o = ops.decode_attention(q, *cache, ctx.block_tables, ctx.seq_lens, self.scale)
         else:
-            o = ops.prefill_attention(q, *cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens, self.scale)
+            # a mixed step: the one-token sequences (first) through decode attention, which reads each
+            # KV tile once per group of query heads; the prefill kernel would read it once per head
+            nd = ctx.num_decodes
+            o = ops.prefill_attention(q[nd:], *cache, ctx.block_tables[nd:], ctx.cu_seqlens_q, ctx.seq_lens[nd:],
+                                      self.scale)
+            if nd:
+                dec = ops.decode_attention(q[:nd], *cache, ctx.block_tables[:nd], ctx.seq_lens[:nd], self.scale)
+                o = torch.cat([dec, o])
         return o.reshape(t, self.num_heads * self.head_dim)
