@@ -257,8 +257,9 @@ def decode_ref(q, kc, vc, ks, vs, block_tables, seq_lens, scale):
 
 @cpu_only
 @pytest.mark.parametrize("dtype,cache,d,hq,hkv,page", PREFILL_CASES)
-@pytest.mark.parametrize("splits", [None, 1, 3, 37])  # 37: the reduce merges 16 splits at a time
+@pytest.mark.parametrize("splits", [None, 1, 3, 37])
 def test_decode_matches_reference(monkeypatch, dtype, cache, d, hq, hkv, page, splits):
+    monkeypatch.setattr(dmod, "REDUCE_CHUNK", 2)  # the reduce loop merges the non-empty splits over several steps
     cache_dtype, group = _cache_args(cache, d, dtype)
     sc = Scenario(DECODE_SEQS, hq, hkv, d, cache_dtype, group, page=page, share_prefix_blocks=1, seed=hq * d)
     q = torch.randn(len(DECODE_SEQS), hq, d, generator=torch.Generator().manual_seed(6)).to(dtype)
@@ -269,12 +270,13 @@ def test_decode_matches_reference(monkeypatch, dtype, cache, d, hq, hkv, page, s
 
 
 @cpu_only
-def test_decode_padded_slot_gives_zeros_and_default_signature():
+def test_decode_padded_slot_gives_zeros_and_default_signature(monkeypatch):
+    monkeypatch.setattr(dmod, "REDUCE_CHUNK", 2)
     sc = Scenario([(20, 1), (1, 1), (70, 1)], 8, 2, 64, torch.int8, 32, seed=9)
     seq_lens = sc.seq_lens.clone()
     seq_lens[1] = 0  # a padded batch slot (CUDA-graph bucket)
     q = torch.randn(3, 8, 64, dtype=torch.float16)
-    for splits in (1, 4, 40):  # 40: most splits empty, merged over three reduce chunks
+    for splits in (1, 4, 40):  # 40: most splits empty; merged 2 at a time
         out = decode_attention_splits(q, *sc.caches, sc.block_tables, seq_lens, 0.125, splits)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         ref = decode_ref(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125)
