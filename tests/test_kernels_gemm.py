@@ -74,7 +74,8 @@ GEMV_CONFIGS = [  # block_m = activation rows per program; block_k in bytes (a m
 GEMV_SHAPES = [(1, 50, 100), (3, 33, 96), (8, 40, 160), (11, 20, 64), (2, 64, 260)]
 TMA_CONFIGS = [GemmConfig(32, 32, 64, group_m=2, num_warps=4, num_stages=2, kernel="tma"),
                GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3, kernel="tma")]
-TMA_SHAPES = [(1, 48, 64), (70, 96, 160), (33, 32, 32), (100, 144, 96)]  # K and N multiples of 16 (TMA rows)
+# K and N multiples of 16 (TMA rows); more tiles than the 4 persistent programs the interpreter gets
+TMA_SHAPES = [(1, 48, 64), (70, 96, 160), (33, 32, 32), (100, 144, 96)]
 
 
 def _check_gemm_exact(device, cfg, m, n, k, seed):
@@ -113,17 +114,14 @@ def _check_gemm_ref(device, cfg, m, n, k, seed, out_dtype, with_bias, exact):
     torch.testing.assert_close(out[m // 2].float(), expect_zero_row.cpu().to(out_dtype).float())
 
 
+EXACT_CASES = ([(c, s) for c in SMALL_CONFIGS for s in SHAPES] + [(c, s) for c in GEMV_CONFIGS for s in GEMV_SHAPES]
+               + [(c, s) for c in TMA_CONFIGS for s in TMA_SHAPES])
+
+
 @cpu
-@pytest.mark.parametrize("cfg", SMALL_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("cfg,shape", EXACT_CASES,
+                         ids=[f"{c.kernel}{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}-{s}" for c, s in EXACT_CASES])
 def test_gemm_int32_exact_cpu(cfg, shape):
-    _check_gemm_exact("cpu", cfg, *shape, seed=hash((cfg, shape)) % 1000)
-
-
-@cpu
-@pytest.mark.parametrize("cfg", GEMV_CONFIGS, ids=lambda c: f"gemv{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
-@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=str)
-def test_gemv_int32_exact_cpu(cfg, shape):
     _check_gemm_exact("cpu", cfg, *shape, seed=hash((cfg, shape)) % 1000)
 
 
@@ -161,14 +159,6 @@ def test_gemv_split_k_buffers_reset_and_fallback_cpu():
 def test_gemm_matches_reference_cpu(cfg, shape, out_dtype, with_bias):
     _check_gemm_ref("cpu", cfg, *shape, seed=7, out_dtype=out_dtype, with_bias=with_bias,
                     exact=out_dtype == torch.float32)
-
-
-@cpu
-@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=lambda c: f"tma{c.block_m}x{c.block_n}x{c.block_k}")
-@pytest.mark.parametrize("shape", TMA_SHAPES, ids=str)
-def test_gemm_tma_int32_exact_cpu(cfg, shape):
-    # more tiles than the 4 persistent programs the interpreter gets: each program walks several
-    _check_gemm_exact("cpu", cfg, *shape, seed=hash((cfg, shape)) % 1000)
 
 
 @cpu
