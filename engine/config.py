@@ -43,6 +43,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.block_size & (self.block_size - 1):
+            # the attention kernels read whole aligned runs of a page's keys (an int8 V page is key-minor)
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_model_len", "num_kv_blocks", "kv_group_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

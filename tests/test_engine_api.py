@@ -88,6 +88,15 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("field, value, message", [("block_size", 12, "power of two"), ("block_size", 0, "positive"),
+                                                   ("max_num_seqs", 0, "positive")])
+def test_invalid_engine_config_names_the_field(field, value, message):
+    from eightbit.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{field}.*{message}"):
+        EngineConfig(**{field: value})
+
+
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.engine
     engine.add_request("long", PROMPTS[0] * 20, SamplingParams(max_tokens=100))
