@@ -18,7 +18,8 @@ Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context 
   * With one split the program writes the output directly; otherwise it writes its
     normalized partial output (fp32) and log2-sum-exp, and
 Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)
-(a few splits at a time with a running max, so the split count is not compiled in).
+(REDUCE_CHUNK splits per step with a running max: one step for every count the heuristic picks,
+and the count is not compiled in).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
 
 num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the multiprocessor count, and

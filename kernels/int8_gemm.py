@@ -161,16 +161,17 @@ def _int8_gemm_tma_kernel(
     a_desc, b_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr,
     M, N, K, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    """Persistent tiles fed by TMA: program p computes tiles p, p + NUM_PROGRAMS, ... (grouped
+    """Persistent tiles fed by TMA: program p of P computes tiles p, p + P, ... (grouped
     order). The descriptors pad out-of-bounds rows and K columns with zeros, so the loop has no
     masks; the tile loop and the K loop are flattened into one software pipeline, so the next
     tile's first loads are in flight during this tile's epilogue."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+    # the program count is read at run time: a constexpr would compile once per grid size
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
         pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -409,8 +410,9 @@ def tma_ok(x_q, w_q, out):
 def _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
     # Triton's launcher encodes the descriptors at every launch (a CUDA graph keeps the encoded
     # values, which stay valid because a captured step's tensors do not move). Launched the
-    # plain way: FastLauncher does not key descriptors, and this kernel runs only at M >= ~256,
-    # where the GPU time per call dwarfs the ~20 us of argument binding.
+    # plain way (FastLauncher does not key descriptors): ~20 us of argument binding per call,
+    # next to 11-20 us of GPU time at M = 512 and far more above. Prefills up to 1,024 tokens
+    # replay CUDA graphs, so the binding costs nothing there; larger eager steps are GPU-bound.
     a_desc = TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -418,15 +420,16 @@ def _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
     _int8_gemm_tma_kernel[(programs,)](
         a_desc, b_desc, x_scale, w_scale, bias if bias is not None else w_scale, out, m, n, k,
         out.stride(0), out.stride(1), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
 
 
 def _sm_count(device):
     if device.type != "cuda":
         return 4  # the interpreter: a few persistent programs, so the tile loop is exercised
-    return _SM_COUNTS.setdefault(device.index, torch.cuda.get_device_properties(device).multi_processor_count)
+    if device.index not in _SM_COUNTS:
+        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device.index]
 
 
 _SM_COUNTS = {}

@@ -24,7 +24,8 @@ per step (see _tile_map).
 
 Requirements: q [T, Hq, D] float16/bfloat16/float32 with a contiguous last dim; power-of-two
 head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_lens [B]
-int32/int64 on the same device; caches as in reference.py (head_dim contiguous).
+int32/int64 on the same device; caches as in reference.py (K and float V head_dim-contiguous,
+int8 V key-minor).
 """
 
 import os
@@ -256,10 +257,13 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
         raise ValueError(f"{name}: {hq} query heads are not a multiple of {hkv} kv heads")
     quant = k_cache.dtype == torch.int8
     nb, page = k_cache.shape[:2]
-    v_inner = (d * page, page, 1) if quant else k_cache.stride()[1:]  # int8 V: each page-head contiguous
-    if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or v_cache.stride()[1:] != v_inner:
+    if quant:  # int8 V (key-minor): each block contiguous and 16-aligned (the kernels' vector-load hints)
+        v_ok = v_cache.stride()[1:] == (d * page, page, 1) and v_cache.stride(0) % 16 == 0
+    else:  # a float V is read with K's offsets
+        v_ok = v_cache.stride() == k_cache.stride()
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or not v_ok:
         raise ValueError(f"{name}: q and k_cache need a contiguous head_dim, and v_cache "
-                         f"{'contiguous blocks' if quant else 'the strides of k_cache'}")
+                         f"{'contiguous, 16-aligned blocks' if quant else 'the strides of k_cache'}")
     if quant and page & (page - 1):
         raise ValueError(f"{name}: an int8 cache needs a power-of-two block_size, got {page}")
     group = d

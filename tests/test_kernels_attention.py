@@ -301,9 +301,18 @@ def test_attention_rejects_bad_inputs():
                          sc.block_tables, sc.seq_lens, 0.1)
     with pytest.raises(ValueError, match="key-minor|int8 V cache is"):
         prefill_attention(q, kc, kc.clone(), ks, vs, sc.block_tables, sc.cu, sc.seq_lens, 0.1)
-    with pytest.raises(ValueError, match="contiguous blocks"):
+    with pytest.raises(ValueError, match="contiguous, 16-aligned blocks"):
         decode_attention(q, kc, vc.transpose(2, 3).contiguous().transpose(2, 3), ks, vs, sc.block_tables,
                          sc.seq_lens, 0.1)
+    # a float V is read with K's offsets: a V cache with another block stride must be refused
+    fs = Scenario([(20, 1)], 8, 2, 64, torch.float16, 64)
+    fk, fv, _, _ = fs.caches
+    wide = torch.empty((2 * fv.shape[0],) + fv.shape[1:], dtype=fv.dtype)[::2]
+    wide.copy_(fv)
+    for run in (lambda: decode_attention(q, fk, wide, None, None, fs.block_tables, fs.seq_lens, 0.1),
+                lambda: prefill_attention(q, fk, wide, None, None, fs.block_tables, fs.cu, fs.seq_lens, 0.1)):
+        with pytest.raises(ValueError, match="strides of k_cache"):
+            run()
 
 
 # --- GPU: bf16, compiled, FlashAttention's accuracy rule -------------------------------------

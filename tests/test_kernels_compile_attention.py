@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     # what the launcher specializes: 16-byte-aligned pointers, strides divisible by 16 (without
     # these attributes the loads are not vectorized and the register counts mean nothing)
     DIV16 = ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_cb", "stride_cp", "stride_ch", "stride_sb",
-             "stride_bt", "stride_qt", "stride_ot")
+             "stride_bt", "stride_qt", "stride_ot", "stride_vb", "stride_vh", "stride_vcb", "stride_vch")
 
     # the kernels do not specialize on these pointers' alignment (mixed steps pass views at any offset)
     UNALIGNED = ("block_tables_ptr", "seq_lens_ptr")
@@ -49,8 +49,10 @@ SCRIPT = textwrap.dedent(
                 sig[a] = scalars.get(a, "i32")
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
                            options=opts)
+        ptx = k.asm["ptx"]
         results.append(dict(name=name, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
-                            ptx_has_mma=("mma" in k.asm["ptx"]), cubin=len(k.asm["cubin"])))
+                            ptx_has_mma=("mma" in ptx), cubin=len(k.asm["cubin"]),
+                            byte_loads=ptx.count("ld.global.b8") + ptx.count("ld.shared.b8")))
 
     def cache_ptrs(kind):
         if kind == "int8":
@@ -69,14 +71,18 @@ SCRIPT = textwrap.dedent(
             build(f"prefill d{d} {kind}", _prefill_kernel, ptrs, {"qk_scale": "fp32"}, consts, cfg)
     elif which == "decode":
         for (d, kind), cfg in sorted(C.DECODE.items()):
-            for splits in (1, 8):
+            for splits, page in ((1, 16), (8, 16), (8, 8), (8, 32)):
+                if page != 16 and kind != "int8":
+                    continue  # the page size changes the int8 V loads (runs of min(page, 16) keys)
                 c = dict(cfg)
                 ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                         **cache_ptrs(kind), "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
                 ng = d // 32 if kind == "int8" else 1
                 consts = dict(QPK=4, QPK_PAD=max(4, -(-16 // ng)), HQ=32, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
-                              PAGE_SIZE=16, BLOCK_N=c.pop("BLOCK_N"), SPLIT=splits > 1, QUANT=kind == "int8", I8_VIA_BF16=True)
-                build(f"decode d{d} {kind} splits{splits}", _decode_kernel, ptrs, {"qk_scale": "fp32"}, consts, c)
+                              PAGE_SIZE=page, BLOCK_N=c.pop("BLOCK_N"), SPLIT=splits > 1, QUANT=kind == "int8",
+                              I8_VIA_BF16=True)
+                build(f"decode d{d} {kind} splits{splits} page{page}", _decode_kernel, ptrs, {"qk_scale": "fp32"},
+                      consts, c)
             build(f"reduce d{d}", _decode_reduce_kernel,
                   {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}, {},
                   dict(HQ=32, HEAD_DIM=d, CHUNK=C.REDUCE_CHUNK), dict(C.REDUCE))
@@ -108,3 +114,5 @@ def test_attention_kernels_compile_for_sm90(which):
         assert r["shared"] <= HOPPER_SMEM, r
         if not r["name"].startswith(("kv_write", "reduce")):
             assert r["ptx_has_mma"], f"{r['name']}: no tensor-core instructions in the PTX"
+            # int8 tiles must move by vector copies: byte loads mean a lost contiguity hint or layout
+            assert r["byte_loads"] == 0, f"{r['name']}: {r['byte_loads']} single-byte loads in the PTX"

@@ -63,7 +63,7 @@ def _compile_gemm(job):
                "xs_ptr": "*fp32", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
                "K": "i32", "stride_cm": "i32", "stride_cn": "constexpr"}
         consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "NUM_PROGRAMS": 132}
+                  "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
         for name in consts:
             sig[name] = "constexpr"
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]

@@ -163,8 +163,14 @@ def test_gemm_matches_reference_cpu(cfg, shape, out_dtype, with_bias):
 
 @cpu
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_tma_matches_reference_and_falls_back_cpu(with_bias):
-    _check_gemm_ref("cpu", TMA_CONFIGS[0], 37, 70, 96, seed=8, out_dtype=torch.float16, with_bias=with_bias, exact=False)
+def test_gemm_tma_matches_reference_and_falls_back_cpu(with_bias, monkeypatch):
+    from eightbit.kernels import int8_gemm as mod
+
+    launched = []
+    real_launch = mod._launch_tma
+    monkeypatch.setattr(mod, "_launch_tma", lambda *a: launched.append(a[0].shape) or real_launch(*a))
+    _check_gemm_ref("cpu", TMA_CONFIGS[0], 37, 80, 96, seed=8, out_dtype=torch.float16, with_bias=with_bias, exact=False)
+    assert launched == [(37, 96)]
     # rows that TMA cannot describe (K % 16 != 0, a misaligned view, N = 40 output rows) take the pointer kernel
     g = _gen(13)
     xq, wq = _int8((5, 168), g, "cpu"), _int8((40, 168), g, "cpu")
@@ -173,6 +179,7 @@ def test_gemm_tma_matches_reference_and_falls_back_cpu(with_bias):
                                                                                wq[:, :160].contiguous())):
         out = int8_gemm_with_config(xk, one_m, wk, one_n, None, torch.float32, TMA_CONFIGS[0])
         assert torch.equal(out, (xk.long() @ wk.long().t()).float())
+    assert len(launched) == 1, "a shape TMA cannot describe reached the TMA kernel"
 
 
 @cpu
