@@ -66,9 +66,9 @@ def test_engine_mixed_steps_match_requests_run_alone():
     # a small token budget: prompts are chunked while other requests decode, so most steps are mixed
     options = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
     prompts = [[(5 * i + 3 * j) % 900 + 1 for j in range(n)] for i, n in enumerate((3, 17, 9, 30))]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     alone = LLM("llama-tiny", **options)
-    want = [alone.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    want = [alone.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
     llm = LLM("llama-tiny", max_num_batched_tokens=8, **options)
     mixed = []
     real_run = llm.engine.runner.run
@@ -79,6 +79,9 @@ def test_engine_mixed_steps_match_requests_run_alone():
         return real_run(scheduled, *args, **kwargs)
 
     llm.engine.runner.run = run
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert sum(mixed) >= 3, "the schedule should contain mixed steps"
-    assert got == want
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        chosen = [[d[t] for d, t in zip(o.logprobs, o.token_ids)] for o in (g, w)]
+        torch.testing.assert_close(torch.tensor(chosen[0]), torch.tensor(chosen[1]), rtol=0, atol=1e-4)
