@@ -16,13 +16,17 @@ class Context:
     sequences have one new token each and run through decode attention; the rest (a mixed or a
     prefill step) through prefill attention."""
 
-    is_decode: bool = False  # every sequence has exactly one new token (num_decodes == B)
     slot_mapping: torch.Tensor | None = None  # [T] int64 cache slot of each new token
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [B] int32 context length after this step
     # [B - num_decodes + 1] int32 offsets of the prefill sequences' new tokens, from row num_decodes
     cu_seqlens_q: torch.Tensor | None = None
     num_decodes: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has exactly one new token."""
+        return self.seq_lens is not None and self.num_decodes == len(self.seq_lens)
 
 
 _CONTEXT = Context()

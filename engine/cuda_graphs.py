@@ -114,7 +114,7 @@ class DecodeGraphs(_Graphs):
         return self.hidden[:n]
 
     def _context(self, b, warm_up):
-        return Context(is_decode=True, slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
+        return Context(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
                        seq_lens=self.seq_lens[:b], num_decodes=b)
 
 
@@ -153,5 +153,5 @@ class PrefillGraphs(_Graphs):
         # prefill_attention memoizes its tile map per cu_seqlens_q tensor: the warm-up gets a copy,
         # so the captured graph computes the map itself instead of reusing the warm-up's tensors
         cu = self.lengths[2:].clone() if warm_up else self.lengths[2:]
-        return Context(is_decode=False, slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables,
+        return Context(slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables,
                        seq_lens=self.lengths[:2], cu_seqlens_q=cu)

@@ -119,7 +119,7 @@ class ModelRunner:
 
     def _run_eager(self, input_ids, positions, context):
         dev = self.device
-        context = Context(context.is_decode, *(t.to(dev, non_blocking=True) for t in (
+        context = Context(*(t.to(dev, non_blocking=True) for t in (
             context.slot_mapping, context.block_tables, context.seq_lens, context.cu_seqlens_q)),
             num_decodes=context.num_decodes)
         set_context(context)
@@ -140,7 +140,7 @@ class ModelRunner:
         cache_bytes = 2 * self.kv_cache.k.numel() * self.kv_cache.k.element_size()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        context = Context(False, torch.arange(n), torch.arange(blocks, dtype=torch.int32).view(1, -1),
+        context = Context(torch.arange(n), torch.arange(blocks, dtype=torch.int32).view(1, -1),
                           torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32))
         hidden = self._run_eager(torch.zeros(n, dtype=torch.int64), torch.arange(n), context)
         rows = min(num_logit_rows, n)
@@ -175,11 +175,10 @@ class ModelRunner:
         nd = next((i for i, (_, n) in enumerate(scheduled) if n != 1), len(scheduled))  # run() put them first
         # Built on the host; moved to the device by _run_eager or copied into the graphs' buffers.
         context = Context(
-            is_decode=nd == len(scheduled),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=torch.tensor(tables, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor(cu[nd:], dtype=torch.int32) - nd,
+            cu_seqlens_q=torch.tensor([c - nd for c in cu[nd:]], dtype=torch.int32),
             num_decodes=nd,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64) if input_tokens is None else input_tokens

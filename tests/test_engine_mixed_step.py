@@ -52,8 +52,8 @@ def test_mixed_step_matches_all_prefill():
         ns = [n for _, n in seqs]
         cu_all = torch.tensor([0] + list(torch.cumsum(torch.tensor(ns), 0)), dtype=torch.int32)
         outs = []
-        for ctx in (Context(is_decode=False, cu_seqlens_q=cu_all, num_decodes=0, **common),
-                    Context(is_decode=False, cu_seqlens_q=cu_all[2:] - 2, num_decodes=2, **common)):
+        for ctx in (Context(cu_seqlens_q=cu_all, num_decodes=0, **common),
+                    Context(cu_seqlens_q=cu_all[2:] - 2, num_decodes=2, **common)):
             set_context(ctx)
             try:  # the same tokens rewrite the same slots, so both runs see one cache
                 outs.append(layer(torch.tensor(positions), q, k, v))
