@@ -28,14 +28,12 @@ The kv head is the fastest grid axis, so programs reading neighbouring heads of 
 (whose scales share a 32-byte sector) run together.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .attention_configs import REDUCE, REDUCE_CHUNK, decode_config, decode_num_splits
-from .launch import FastLauncher
+from .launch import FastLauncher, sm_count
 from .prefill_attention import LOG2E, check_attention_inputs, i8_via_bf16
 
 
@@ -200,16 +198,10 @@ _launch_decode = FastLauncher(_decode_kernel)
 _launch_reduce = FastLauncher(_decode_reduce_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_splits_for(q, k_cache, block_tables):
     """The split count decode_attention will use for these shapes."""
-    sm = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.device.type == "cuda" else None
-    return decode_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], sm)
+    return decode_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                             sm_count(q.device))
 
 
 def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, softmax_scale):

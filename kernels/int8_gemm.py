@@ -55,7 +55,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
-from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.launch import FastLauncher, sm_count
 
 
 @triton.jit
@@ -416,23 +416,12 @@ def _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
     a_desc = TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, _sm_count(x_q.device))
+    programs = min(tiles, sm_count(x_q.device) or 4)  # CPU interpreter: 4, so programs walk several tiles
     _int8_gemm_tma_kernel[(programs,)](
         a_desc, b_desc, x_scale, w_scale, bias if bias is not None else w_scale, out, m, n, k,
         out.stride(0), out.stride(1), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
-
-
-def _sm_count(device):
-    if device.type != "cuda":
-        return 4  # the interpreter: a few persistent programs, so the tile loop is exercised
-    if device.index not in _SM_COUNTS:
-        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device.index]
-
-
-_SM_COUNTS = {}
 
 
 def gemv_ok(x_q, w_q):

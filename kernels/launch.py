@@ -20,6 +20,9 @@ path, which compiles (or finds) the right kernel. Under the CPU interpreter
 normal path. Written against Triton 3.6's CompiledKernel.run (the version the GPU runs).
 """
 
+import functools
+
+import torch
 from torch import Tensor
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -30,6 +33,18 @@ except ImportError:
     knobs = None
 
 _I32 = (-(2**31), 2**31)
+
+
+def sm_count(device):
+    """The multiprocessor count of a CUDA device (asked once per device); None for any other device."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _int_key(v, specialize):
