@@ -34,17 +34,7 @@ import triton.language as tl
 
 from .attention_configs import REDUCE, REDUCE_CHUNK, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
-from .prefill_attention import LOG2E, check_attention_inputs, i8_via_bf16
-
-
-@triton.jit
-def _i8_to(x, DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr):
-    """int8 -> DTYPE, exact (|x| <= 128 fits bf16/fp16). Compiled: through bf16 (byte permutes,
-    no I2F); the CPU interpreter gets bf16 wrong, so it goes through fp32."""
-    if I8_VIA_BF16:
-        return x.to(tl.bfloat16).to(DTYPE)
-    else:
-        return x.to(tl.float32).to(DTYPE)
+from .prefill_attention import LOG2E, check_attention_inputs, i8_to, i8_via_bf16
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"],
@@ -126,7 +116,7 @@ def _decode_kernel(
             s_ptrs = scale_off[None, :] + gi[:, None]  # [NG, BLOCK_N]
             sk = tl.load(k_scale_ptr + s_ptrs, mask=in_range[None, :], other=0.0).to(tl.float32) * qk_scale
             sv = tl.load(v_scale_ptr + s_ptrs, mask=in_range[None, :], other=0.0).to(tl.float32)
-            part = tl.dot(q, tl.trans(_i8_to(k_raw, q.dtype, I8_VIA_BF16)))  # [ROWS, BLOCK_N]
+            part = tl.dot(q, tl.trans(i8_to(k_raw, q.dtype, I8_VIA_BF16)))  # [ROWS, BLOCK_N]
             qk = tl.sum(tl.reshape(part, (QPK_PAD, NG, BLOCK_N)) * sk[None, :, :], 1)
         else:
             qk = tl.dot(q, tl.trans(k_raw.to(q.dtype))) * qk_scale
@@ -140,7 +130,7 @@ def _decode_kernel(
             p_x = tl.reshape(p[:, None, :] * sv[None, :, :], (ROWS, BLOCK_N))
             alpha_x = tl.reshape(tl.broadcast_to(alpha[:, None], (QPK_PAD, NG)), (ROWS,))
             acc = acc * alpha_x[:, None]
-            acc = tl.dot(p_x.to(q.dtype), _i8_to(v_raw, q.dtype, I8_VIA_BF16), acc)
+            acc = tl.dot(p_x.to(q.dtype), i8_to(v_raw, q.dtype, I8_VIA_BF16), acc)
         else:
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(q.dtype), v_raw.to(q.dtype), acc)

@@ -42,6 +42,27 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def i8_to(x, DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr):
+    """int8 -> DTYPE, exact (|x| <= 128 fits bf16). Compiled, it goes through bf16: Triton lowers
+    int8 -> bf16 with byte permutes, far cheaper than the int -> float unit (and its register
+    spills), and bf16 -> f32 is a shift. The CPU interpreter gets bf16 wrong, so it goes through f32."""
+    if I8_VIA_BF16:
+        return x.to(tl.bfloat16).to(DTYPE)
+    else:
+        return x.to(tl.float32).to(DTYPE)
+
+
+@triton.jit
+def _load_scales(scale_ptr, scale_off, row_mask, NG: tl.constexpr, MASKED: tl.constexpr):
+    """The [BLOCK_N, NG] group scales of the keys at scale_off."""
+    sptrs = scale_ptr + scale_off[:, None] + tl.arange(0, NG)[None, :]
+    if MASKED:
+        return tl.load(sptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        return tl.load(sptrs)
+
+
+@triton.jit
 def _load_kv_raw(
     cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
@@ -54,14 +75,7 @@ def _load_kv_raw(
     else:
         x = tl.load(ptrs)
     if QUANT:
-        NG: tl.constexpr = HEAD_DIM // GROUP
-        gcols = tl.arange(0, NG)
-        sptrs = scale_ptr + scale_off[:, None] + gcols[None, :]
-        if MASKED:
-            s = tl.load(sptrs, mask=row_mask[:, None], other=0.0)
-        else:
-            s = tl.load(sptrs)
-        return x, s
+        return x, _load_scales(scale_ptr, scale_off, row_mask, HEAD_DIM // GROUP, MASKED)
     else:
         return x, x
 
@@ -72,15 +86,8 @@ def _dequant_tile(x, s, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.c
     if QUANT:
         NG: tl.constexpr = HEAD_DIM // GROUP
         BN: tl.constexpr = x.shape[0]
-        # int8 -> bf16 is exact (|x| <= 128) and Triton lowers it with byte permutes, far cheaper
-        # than the int -> float conversion unit (and its register spills); bf16 -> f32 is a shift.
-        # Either way one rounding only: the product to OUT_DTYPE. (The CPU interpreter gets bf16
-        # wrong, so it takes the plain int -> f32 path.)
-        if I8_VIA_BF16:
-            xf = x.to(tl.bfloat16).to(tl.float32)
-        else:
-            xf = x.to(tl.float32)
-        xf = tl.reshape(xf, (BN, NG, GROUP)) * s.to(tl.float32)[:, :, None]
+        # one rounding only: the product to OUT_DTYPE
+        xf = tl.reshape(i8_to(x, tl.float32, I8_VIA_BF16), (BN, NG, GROUP)) * s.to(tl.float32)[:, :, None]
         return tl.reshape(xf, (BN, HEAD_DIM)).to(OUT_DTYPE)
     else:
         return x.to(OUT_DTYPE)
@@ -115,16 +122,8 @@ def _load_v_key_minor(
     off = tl.max_contiguous(tl.multiple_of(page_base + page_off, RUN), RUN)
     x = tl.load(v_ptr + off[None, :] + cols[:, None] * PAGE_SIZE)  # [D, BN]
     NG: tl.constexpr = HEAD_DIM // GROUP
-    sptrs = scale_ptr + scale_off[:, None] + tl.arange(0, NG)[None, :]
-    if MASKED:
-        s = tl.load(sptrs, mask=row_mask[:, None], other=0.0)
-    else:
-        s = tl.load(sptrs)
-    if I8_VIA_BF16:  # see _dequant_tile
-        xf = x.to(tl.bfloat16).to(tl.float32)
-    else:
-        xf = x.to(tl.float32)
-    xf = tl.reshape(xf, (NG, GROUP, BN)) * tl.trans(s.to(tl.float32))[:, None, :]
+    s = _load_scales(scale_ptr, scale_off, row_mask, NG, MASKED)
+    xf = tl.reshape(i8_to(x, tl.float32, I8_VIA_BF16), (NG, GROUP, BN)) * tl.trans(s.to(tl.float32))[:, None, :]
     return tl.trans(tl.reshape(xf, (HEAD_DIM, BN)).to(OUT_DTYPE))
 
 
