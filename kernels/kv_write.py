@@ -130,7 +130,7 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
     if k_cache.shape[2:] != (hkv, d):
         raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} do not match k's {(hkv, d)}")
-    v_token_major(k_cache, v_cache)  # checks v_cache's shape and dtype (int8 V is key-minor)
+    v_view = v_token_major(k_cache, v_cache)  # checks v_cache's shape and dtype (int8 V is key-minor)
     quant = k_cache.dtype == torch.int8
     if quant:
         if k_scale is None or v_scale is None:
@@ -158,14 +158,14 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     for x in tensors:
         if x.device != dev:
             raise ValueError(f"all tensors must be on one device, found {x.device} and {dev}")
-    return quant
+    return quant, v_view
 
 
 _launch_rope_kv = FastLauncher(_rope_kv_write_kernel)
 
 
 def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping, rope):
-    quant = _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    quant, vc = _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)  # vc: token-major view of V
     t, hkv, d = k.shape
     if rope:
         if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d or q.stride(-1) != 1:
@@ -189,7 +189,6 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
     group = d // k_scale.shape[-1] if quant else d
-    vc = v_token_major(k_cache, v_cache)  # int8: a strided view (stride_vcd = block_size)
     _launch_rope_kv((t,), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, q_out_ptr=q_out, pos_ptr=positions, cos_sin_ptr=cos_sin_cache,
         k_cache_ptr=k_cache, v_cache_ptr=v_cache, k_scale_ptr=ks, v_scale_ptr=vs, slot_ptr=slot_mapping,
