@@ -263,10 +263,10 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
 # Candidates of the last sweep (earlier sweeps, same card: docs/benchmarks/attention.md).
 PREFILL_CANDIDATES = {
     (128, "bf16"): [dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
-    (128, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
+    (128, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+                    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
     (64, "bf16"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
-    (64, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
+    (64, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)],
 }
 DECODE_CANDIDATES = [dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=128, num_warps=4, num_stages=3),
                      dict(BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=3),

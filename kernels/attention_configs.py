@@ -15,7 +15,7 @@ GPU (see docs/benchmarks/attention.md for the card and the date) and the best we
 # (head_dim, cache kind) -> launch parameters
 PREFILL = {
     (64, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    (64, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    (64, "int8"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
     (128, "float"): dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
     (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
 }

@@ -12,7 +12,7 @@ Rotation of a whole head row at once: column c takes its partner c + D/2 (mod D)
 
 As in the reference, the rotated q and k are rounded to their own dtype; the int8 cache then
 quantizes that rounded k exactly as quant.int8.quantize_groups does: per token and head, in
-groups of G along head_dim, scale = fp16(absmax / 127), q = round_half_even(x * (1 / scale)),
+groups of G along head_dim, scale = fp16(min(absmax, 65024) / 127), q = round_half_even(x * (1 / scale)),
 clamped to [-127, 127]; an all-zero group gets scale 0 and q 0. A float cache stores the value
 cast to the cache dtype.
 
@@ -28,6 +28,9 @@ import triton.language as tl
 from .attention_configs import KV_WRITE
 from .launch import FastLauncher
 from .reference import v_token_major
+from eightbit.quant import int8
+
+KV_ABSMAX = tl.constexpr(int8.KV_ABSMAX)  # the attention kernels dequantize in float16
 
 
 @triton.jit
@@ -50,7 +53,7 @@ def _store_head_rows(
     if QUANT:
         NG: tl.constexpr = HEAD_DIM // GROUP
         g = tl.reshape(x, (H_PAD, NG, GROUP))
-        absmax = tl.max(tl.abs(g), axis=2)  # [H_PAD, NG]
+        absmax = tl.minimum(tl.max(tl.abs(g), axis=2), KV_ABSMAX)  # [H_PAD, NG]
         scale = tl.math.div_rn(absmax, 127.0).to(scale_ptr.dtype.element_ty)
         s = scale.to(tl.float32)
         inv = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)

@@ -42,14 +42,44 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def i8_to(x, DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr):
-    """int8 -> DTYPE, exact (|x| <= 128 fits bf16). Compiled, it goes through bf16: Triton lowers
-    int8 -> bf16 with byte permutes, far cheaper than the int -> float unit (and its register
-    spills), and bf16 -> f32 is a shift. The CPU interpreter gets bf16 wrong, so it goes through f32."""
-    if I8_VIA_BF16:
+def i8_to(x, DTYPE: tl.constexpr, COMPILED: tl.constexpr):
+    """int8 -> DTYPE, exact. Compiled: to float16 four values per 32-bit register in five
+    instructions (flip the sign bits, byte-permute each value under the exponent of 1024 so the
+    fp16 reads 1152 + x, subtract 1152 two at a time); to bfloat16 Triton's own byte-permute
+    lowering (eight per four); to float32 through bfloat16 (a shift more). The CPU interpreter
+    runs no PTX and gets bfloat16 wrong, so it goes through float32."""
+    if COMPILED and DTYPE == tl.float16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, hi, c;
+            xor.b32 t, $2, 0x80808080;
+            mov.b32 hi, 0x64646464;
+            mov.b32 c, 0x64806480;
+            prmt.b32 $0, t, hi, 0x5140;
+            prmt.b32 $1, t, hi, 0x7362;
+            sub.f16x2 $0, $0, c;
+            sub.f16x2 $1, $1, c;
+            }""",
+            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
+    elif COMPILED:
         return x.to(tl.bfloat16).to(DTYPE)
     else:
         return x.to(tl.float32).to(DTYPE)
+
+
+@triton.jit
+def dot_operand(q, qk_scale, QUANT: tl.constexpr):
+    """The Q tile as the dots over the cache take it, and qk_scale to match. Over an int8 cache a
+    16-bit q becomes float16 (int8 -> fp16 is the cheap conversion, and exact), divided by a power
+    of two above its largest magnitude: exact, and in range whatever q's; qk_scale takes the power
+    back. A float32 q (tests, CPU) stays float32; a float cache is read in q's dtype."""
+    if QUANT and q.dtype != tl.float32:
+        amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        unit = (amax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 2.0  # 2^(floor(log2 amax)+1)
+        unit = tl.where(unit > 0, unit, 1.0)
+        return (q.to(tl.float32) / unit).to(tl.float16), qk_scale * unit
+    else:
+        return q, qk_scale
 
 
 @triton.jit
@@ -82,13 +112,12 @@ def _load_kv_raw(
 
 @triton.jit
 def _dequant_tile(x, s, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr):
-    if QUANT:
+                  OUT_DTYPE: tl.constexpr, COMPILED: tl.constexpr):
+    if QUANT:  # OUT_DTYPE is float16 or float32 (dot_operand); one rounding, the product's
         NG: tl.constexpr = HEAD_DIM // GROUP
         BN: tl.constexpr = x.shape[0]
-        # one rounding only: the product to OUT_DTYPE
-        xf = tl.reshape(i8_to(x, tl.float32, I8_VIA_BF16), (BN, NG, GROUP)) * s.to(tl.float32)[:, :, None]
-        return tl.reshape(xf, (BN, HEAD_DIM)).to(OUT_DTYPE)
+        xf = tl.reshape(i8_to(x, OUT_DTYPE, COMPILED), (BN, NG, GROUP)) * s.to(OUT_DTYPE)[:, :, None]
+        return tl.reshape(xf, (BN, HEAD_DIM))
     else:
         return x.to(OUT_DTYPE)
 
@@ -97,18 +126,18 @@ def _dequant_tile(x, s, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.c
 def _load_kv_tile(
     cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, COMPILED: tl.constexpr,
 ):
     """[BLOCK_N, HEAD_DIM] keys or values at the given slot offsets, dequantized to OUT_DTYPE."""
     x, s = _load_kv_raw(cache_ptr, scale_ptr, slot_off, scale_off, cols, row_mask, HEAD_DIM, GROUP, QUANT, MASKED)
-    return _dequant_tile(x, s, HEAD_DIM, GROUP, QUANT, OUT_DTYPE, I8_VIA_BF16)
+    return _dequant_tile(x, s, HEAD_DIM, GROUP, QUANT, OUT_DTYPE, COMPILED)
 
 
 @triton.jit
 def _load_v_key_minor(
     v_ptr, scale_ptr, page_base, page_off, scale_off, cols, row_mask,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, I8_VIA_BF16: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, COMPILED: tl.constexpr,
 ):
     """[BLOCK_N, HEAD_DIM] values from the key-minor int8 V cache ([blocks, Hkv, D, PAGE];
     page_base = the key's block offset + the head's), dequantized to OUT_DTYPE.
@@ -123,8 +152,8 @@ def _load_v_key_minor(
     x = tl.load(v_ptr + off[None, :] + cols[:, None] * PAGE_SIZE)  # [D, BN]
     NG: tl.constexpr = HEAD_DIM // GROUP
     s = _load_scales(scale_ptr, scale_off, row_mask, NG, MASKED)
-    xf = tl.reshape(i8_to(x, tl.float32, I8_VIA_BF16), (NG, GROUP, BN)) * tl.trans(s.to(tl.float32))[:, None, :]
-    return tl.trans(tl.reshape(xf, (HEAD_DIM, BN)).to(OUT_DTYPE))
+    xf = tl.reshape(i8_to(x, OUT_DTYPE, COMPILED), (NG, GROUP, BN)) * tl.trans(s.to(OUT_DTYPE))[:, None, :]
+    return tl.trans(tl.reshape(xf, (HEAD_DIM, BN)))
 
 
 @triton.jit
@@ -133,7 +162,7 @@ def _attend_tile(
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr,
     stride_cb, stride_cp, kv_head_off, stride_vb, v_head_off, stride_sb, stride_sp, scale_head_off, cols,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    QUANT: tl.constexpr, MASKED: tl.constexpr, I8_VIA_BF16: tl.constexpr,
+    QUANT: tl.constexpr, MASKED: tl.constexpr, COMPILED: tl.constexpr,
 ):
     """One online-softmax step over keys n_start .. n_start + BLOCK_N."""
     n = n_start + offs_n
@@ -146,7 +175,7 @@ def _attend_tile(
     slot_off = blk * stride_cb + page_off * stride_cp + kv_head_off
     scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
     k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_seq,
-                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, I8_VIA_BF16)
+                      HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, COMPILED)
     qk = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         keep = (n[None, :] <= q_pos[:, None]) & in_seq[None, :]
@@ -157,10 +186,10 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     if QUANT:
         v = _load_v_key_minor(v_cache_ptr, v_scale_ptr, blk * stride_vb + v_head_off, page_off, scale_off, cols,
-                              in_seq, HEAD_DIM, GROUP, PAGE_SIZE, MASKED, q.dtype, I8_VIA_BF16)
+                              in_seq, HEAD_DIM, GROUP, PAGE_SIZE, MASKED, q.dtype, COMPILED)
     else:
         v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_seq,
-                          HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, I8_VIA_BF16)
+                          HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, COMPILED)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(q.dtype), v, acc)
     return acc, m_new, l_i
@@ -181,7 +210,7 @@ def _prefill_kernel(
     stride_cb, stride_cp, stride_ch, stride_vb, stride_vh, stride_sb, stride_sp, stride_sh, stride_bt,
     # sizes and modes
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, I8_VIA_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, COMPILED: tl.constexpr,
 ):
     h = tl.program_id(0)
     tile = tl.program_id(1)
@@ -202,6 +231,7 @@ def _prefill_kernel(
     q_pos = ctx + offs_m
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + cols[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q, qk_scale = dot_operand(q, qk_scale, QUANT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -219,21 +249,21 @@ def _prefill_kernel(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
             stride_cb, stride_cp, kv_head_off, stride_vb, v_head_off, stride_sb, stride_sp, scale_head_off, cols,
-            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False, I8_VIA_BF16)
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, False, COMPILED)
     for n_start in range(full_end, last_pos, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, n_start, offs_n, q_pos, seq_len, qk_scale,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row,
             stride_cb, stride_cp, kv_head_off, stride_vb, v_head_off, stride_sb, stride_sp, scale_head_off, cols,
-            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True, I8_VIA_BF16)
+            HEAD_DIM, GROUP, PAGE_SIZE, QUANT, True, COMPILED)
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + cols[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def i8_via_bf16():
-    """Compiled kernels convert int8 through bf16 (cheap); the CPU interpreter cannot."""
+def compiled():
+    """False under the CPU interpreter (TRITON_INTERPRET=1), which cannot run inline PTX."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 
@@ -361,6 +391,6 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
         stride_sb=ks.stride(0), stride_sp=ks.stride(1), stride_sh=ks.stride(2),
         stride_bt=block_tables.stride(0),
         QPK=hq // hkv, HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, I8_VIA_BF16=i8_via_bf16(),
+        BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, COMPILED=compiled(),
     ), **cfg)
     return out

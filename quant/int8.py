@@ -9,11 +9,16 @@ must reproduce it (up to a rounding tie). All arithmetic is float32:
 
 An all-zero row or group gets scale 0 and q 0 (no division by zero). -128 is
 never produced, but every consumer must accept it in its inputs.
+
+The KV cache's groups (quantize_groups) cap absmax at KV_ABSMAX = 127 * 512 = 65024: the
+attention kernels dequantize in float16, and with scale <= 512 every q * scale fits it.
+Larger magnitudes (no bf16 model's keys or values come near) saturate there.
 """
 
 import torch
 
 QMAX = 127.0
+KV_ABSMAX = 65024.0  # 127 * 512: the largest group absmax whose dequantized values all fit float16
 
 
 def _quantize(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
@@ -52,7 +57,7 @@ def quantize_groups(
     if d % group_size:
         raise ValueError(f"group size {group_size} does not divide the last dimension {d}")
     g = x.float().unflatten(-1, (d // group_size, group_size))
-    scale = (g.abs().amax(dim=-1) / QMAX).to(scale_dtype)
+    scale = (g.abs().amax(dim=-1).clamp(max=KV_ABSMAX) / QMAX).to(scale_dtype)
     s = scale.float().unsqueeze(-1)
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     q = torch.round(g * inv).clamp_(-QMAX, QMAX).to(torch.int8)

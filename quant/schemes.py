@@ -3,7 +3,8 @@
     weights            int8, symmetric, one scale per output channel, static (computed offline)
     input activations  int8, symmetric, one scale per token, dynamic (computed at run time)
     KV cache           int8, symmetric, per token and KV head in groups of G along head_dim,
-                       float16 scales: one value costs 1 + 2/G bytes
+                       float16 scales: one value costs 1 + 2/G bytes; |values| capped at 65024
+                       (dequantized in float16, see int8.py)
 
 The math itself lives in quant/int8.py; these objects only say which of it applies.
 `weight_bytes` and `kv_bytes_per_token` give the memory a model config costs under a scheme.

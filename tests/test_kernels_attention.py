@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are imported
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from eightbit.kernels import reference as R  # noqa: E402
 from eightbit.kernels import decode_attention as dmod  # noqa: E402
@@ -56,7 +58,7 @@ class Scenario:
     """
 
     def __init__(self, seqs, hq, hkv, d, cache_dtype, group, page=16, share_prefix_blocks=0,
-                 device="cpu", extra_blocks=3, seed=0):
+                 device="cpu", extra_blocks=3, seed=0, k_mult=1.0, v_mult=1.0):
         g = torch.Generator().manual_seed(seed)
         self.seqs, self.hq, self.hkv, self.d, self.page = seqs, hq, hkv, d, page
         nblk = [-(-s // page) for s, _ in seqs]
@@ -86,8 +88,8 @@ class Scenario:
                 seen.add(slot)
                 slots.append(slot)
         n = len(slots)
-        k = torch.randn(n, hkv, d, generator=g).to(kv_dtype).to(device)
-        v = torch.randn(n, hkv, d, generator=g).to(kv_dtype).to(device)
+        k = (torch.randn(n, hkv, d, generator=g) * k_mult).to(kv_dtype).to(device)
+        v = (torch.randn(n, hkv, d, generator=g) * v_mult).to(kv_dtype).to(device)
         R.kv_write(k, v, *self.caches, torch.tensor(slots, dtype=torch.int64, device=device))
         self.seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device)
         nq = torch.tensor([q for _, q in seqs])
@@ -166,6 +168,8 @@ def test_kv_write_matches_reference(cache):
     k = (torch.randn(t, hkv, d, generator=g) * 5).to(dtype)
     v = torch.randn(t, hkv, d, generator=g).to(dtype)
     v[0] = 0
+    if cache_dtype == torch.int8:
+        k[1, 0, 3] = 1e5 if dtype == torch.float32 else 6e4  # saturates at KV_ABSMAX (fp32) / stays under it
     slots = torch.randperm(nb * page, generator=g)[:t].int()
     slots[0] = -1
     mine, ref = empty_cache(nb, page, hkv, d, cache_dtype, group), empty_cache(nb, page, hkv, d, cache_dtype, group)
@@ -175,6 +179,44 @@ def test_kv_write_matches_reference(cache):
         if a is not None:
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.nan_to_num(123.0),
                                b.view(torch.uint8) if b.dtype == torch.int8 else b.nan_to_num(123.0))
+
+
+@triton.jit
+def _i8_to_kernel(x_ptr, out_ptr, DTYPE: tl.constexpr, COMPILED: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, pmod.i8_to(tl.load(x_ptr + offs), DTYPE, COMPILED))
+
+
+def _check_i8_to(dtype, device):
+    """Every int8 value (the -128 edge included) converts exactly."""
+    x = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)[torch.randperm(256)].to(device)
+    out = torch.full((256,), float("nan"), dtype=dtype, device=device)
+    _i8_to_kernel[(1,)](x, out, DTYPE=tl.float16 if dtype == torch.float16 else tl.float32, COMPILED=not INTERPRET)
+    assert torch.equal(out, x.to(dtype))
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_i8_to_is_exact_for_every_byte(dtype):
+    _check_i8_to(dtype, "cpu")  # the interpreter's plain conversion
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_i8_to_is_exact_for_every_byte(dtype):
+    _check_i8_to(dtype, "cuda")  # compiled: the byte-permute PTX for float16
+
+
+def test_kv_group_absmax_is_capped_for_float16():
+    """Groups past KV_ABSMAX saturate there, so every dequantized value fits float16."""
+    from eightbit.quant.int8 import KV_ABSMAX, dequantize_groups
+
+    x = torch.tensor([[1e6, -3.0, 2.0, 0.5], [-7e4, 1.0, 0.0, 0.0], [6e4, 1.0, 0.0, 0.0]])
+    q, s = quantize_groups(x, 4, torch.float16)
+    back = dequantize_groups(q, s)
+    assert back[0, 0] == KV_ABSMAX and back[1, 0] == -KV_ABSMAX
+    assert abs(back[2, 0] - 6e4) < 1e-3 * 6e4  # under the cap: quantized as before
+    assert torch.isfinite(back.half()).all()
 
 
 @cpu_only
@@ -399,6 +441,24 @@ def test_gpu_decode_bf16_cuda_graph(cache, d, hq, hkv):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, decode_attention(q, *args), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("q_mult,k_mult,v_mult", [(30.0, 40.0, 1e-3), (1.0, 3000.0, 3000.0), (1e4, 1e-3, 1.0)])
+def test_gpu_int8_attention_float16_range(q_mult, k_mult, v_mult):
+    """The int8 cache is read in float16 (q scaled by a power of two): tiny values, values near the
+    float16 limit and a q far outside it keep the FlashAttention rule, with atol scaled to V."""
+    seqs = [(1, 1), (700, 300), (2500, 1)]
+    sc = Scenario(seqs, 32, 8, 128, torch.int8, 32, device="cuda", seed=3, k_mult=k_mult, v_mult=v_mult)
+    q = (torch.randn(sc.T, 32, 128, device="cuda") * q_mult).to(torch.bfloat16)
+    scale = 128 ** -0.5
+    out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    _check_fa_rule(out, q, sc, scale, atol=1e-3 * v_mult)
+    dsc = Scenario([(s, 1) for s, _ in seqs], 32, 8, 128, torch.int8, 32, device="cuda", seed=4, k_mult=k_mult,
+                   v_mult=v_mult)
+    qd = (torch.randn(len(seqs), 32, 128, device="cuda") * q_mult).to(torch.bfloat16)
+    _check_fa_rule(decode_attention(qd, *dsc.caches, dsc.block_tables, dsc.seq_lens, scale), qd, dsc, scale,
+                   atol=1e-3 * v_mult)
 
 
 @gpu

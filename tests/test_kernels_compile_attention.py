@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent(
                     "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32"}
             consts = dict(QPK=4, HEAD_DIM=d, GROUP=32 if kind == "int8" else d, PAGE_SIZE=16,
                           BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), QUANT=kind == "int8",
-                          I8_VIA_BF16=True)
+                          COMPILED=True)
             build(f"prefill d{d} {kind}", _prefill_kernel, ptrs, {"qk_scale": "fp32"}, consts, cfg)
     elif which == "decode":
         for (d, kind), cfg in sorted(C.DECODE.items()):
@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent(
                 ng = d // 32 if kind == "int8" else 1
                 consts = dict(QPK=4, QPK_PAD=max(4, -(-16 // ng)), HQ=32, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
                               PAGE_SIZE=page, BLOCK_N=c.pop("BLOCK_N"), SPLIT=splits > 1, QUANT=kind == "int8",
-                              I8_VIA_BF16=True)
+                              COMPILED=True)
                 build(f"decode d{d} {kind} splits{splits} page{page}", _decode_kernel, ptrs, {"qk_scale": "fp32"},
                       consts, c)
             build(f"reduce d{d}", _decode_reduce_kernel,
