@@ -43,7 +43,7 @@ the tile and K loops flattened into one pipeline. On an H100 it ran 1.1-1.25x fa
 pointer kernel at M >= 1024 (docs/benchmarks/gemm.md). It needs sm_90 and 16-byte aligned rows (see tma_ok);
 otherwise the pointer kernel runs.
 
-Masks: rows past M and columns past N load clamped (valid) addresses and are
+Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
 """
 
@@ -111,8 +111,11 @@ def _int8_gemm_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped: loads stay in bounds without masks
-    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    # rows and columns past the edge wrap around: in bounds without masks, and distinct addresses
+    # (clamping them all to the last row made 48 lanes copy the same bytes, which the async copies
+    # serialize: M = 80 ran 2.1x slower than M = 128, H100)
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
 
     # this split's range of K tiles
