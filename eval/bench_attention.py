@@ -273,8 +273,8 @@ DECODE_CANDIDATES = [dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=
                      dict(BLOCK_N=64, num_warps=4, num_stages=4), dict(BLOCK_N=32, num_warps=1, num_stages=3)]
 DECODE_SWEEP_SHAPES = [(64, 8192), (1, 32768), (16, 2048), (256, 2048)]
 # FlashDecoding split heuristic candidates (programs per SM, min keys per split, max splits), int8 cache
-SPLIT_CANDIDATES = [(4, 256, 64), (8, 256, 64), (8, 128, 128), (16, 128, 128)]
-SPLIT_SWEEP_SHAPES = [(1, 32768), (1, 8192), (16, 2048), (16, 8192), (64, 2048)]
+SPLIT_CANDIDATES = [(2, 128, 128), (4, 128, 128), (4, 256, 64), (8, 128, 128)]
+SPLIT_SWEEP_SHAPES = [(1, 32768), (1, 8192), (16, 2048), (16, 8192), (32, 2048), (64, 2048), (128, 2048)]
 
 
 def sweep(results, save):

@@ -27,10 +27,13 @@ DECODE = {
     (128, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=2),
 }
 
-# FlashDecoding split heuristic (decode): aim for about this many programs per multiprocessor,
-# but never give a split fewer than MIN_TOKENS_PER_SPLIT keys of the longest possible
-# context (block_tables.shape[1] * page size), and never more than MAX_SPLITS splits.
-DECODE_PROGRAMS_PER_SM = 8
+# FlashDecoding split heuristic (decode): split only as far as the programs stay at or below this
+# many per multiprocessor (rounding down: batch x kv heads at or above it runs one split per
+# sequence), never giving a split fewer than MIN_TOKENS_PER_SPLIT keys of the longest possible
+# context (block_tables.shape[1] * page size), and never more than MAX_SPLITS splits. Rounding up
+# from 8 per SM (the earlier rule) split batch 64 three ways and cost 3-20 % at batch 8-128, int8 and
+# bf16 alike (H100 A/B, docs/benchmarks/attention.md, sixth session).
+DECODE_PROGRAMS_PER_SM = 4
 DECODE_MIN_TOKENS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
@@ -70,6 +73,6 @@ def decode_num_splits(batch, num_kv_heads, max_context, sm_count=None):
     """Splits along the context for the FlashDecoding kernel, from shapes only (graph-safe)."""
     sm = sm_count or DEFAULT_SM_COUNT
     programs = max(1, batch * num_kv_heads)
-    want = -(-(DECODE_PROGRAMS_PER_SM * sm) // programs)
+    want = (DECODE_PROGRAMS_PER_SM * sm) // programs
     cap = max(1, max_context // DECODE_MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
