@@ -47,15 +47,13 @@ Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
-from eightbit.kernels.launch import FastLauncher, sm_count
+from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
 
 
 @triton.jit
@@ -405,7 +403,7 @@ def tma_ok(x_q, w_q, out):
     tiles (the tile loads of the next tile are still in flight, so it cannot reuse theirs)."""
     aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x_q, w_q))
     aligned = aligned and out.stride(0) % 16 == 0 and out.stride(1) == 1 and out.data_ptr() % 16 == 0
-    if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+    if interpreting():
         return aligned
     return aligned and x_q.device.type == "cuda" and torch.cuda.get_device_capability(x_q.device)[0] >= 9
 

@@ -21,6 +21,7 @@ normal path. Written against Triton 3.6's CompiledKernel.run (the version the GP
 """
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -33,6 +34,11 @@ except ImportError:
     knobs = None
 
 _I32 = (-(2**31), 2**31)
+
+
+def interpreting():
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1): no compiled kernels, no inline PTX."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
 def sm_count(device):

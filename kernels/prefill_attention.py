@@ -9,9 +9,10 @@ already stored the chunk), so chunked prefill and prefix-cache hits are the same
 Algorithm, one program per (query head, BLOCK_M query tile of one sequence):
   * Q tile [BLOCK_M, D] stays in registers; K/V tiles of BLOCK_N keys are gathered through
     the block table (a tile may span several pages: slot = table[n // PAGE] * PAGE + n % PAGE).
-  * int8 cache: the tile is dequantized in registers (int8 * per-(token, head, group) fp16
-    scale, reshaped [BLOCK_N, D/G, G]) and cast to q.dtype for the tensor-core dot. V is
-    stored key-minor (reference.py), so its tile is read as [D, BLOCK_N], a page's keys adjacent.
+  * int8 cache: the dots run in float16. The tile is converted exactly (i8_to) and multiplied
+    by its per-(token, head, group) fp16 scales (reshaped [BLOCK_N, D/G, G]); q is scaled into
+    fp16 range by a power of two (dot_operand). V is stored key-minor (reference.py), so its
+    tile is read as [D, BLOCK_N], a page's keys adjacent.
   * Online softmax in base 2: scores are scaled by softmax_scale * log2(e) once, so exp2 is
     the only transcendental; the running max m, sum l and output acc are rescaled per tile.
   * Causal: tiles wholly at or below the tile's first query position run without a mask;
@@ -28,14 +29,12 @@ int32/int64 on the same device; caches as in reference.py (K and float V head_di
 int8 V key-minor).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .attention_configs import prefill_config
-from .launch import FastLauncher
+from .launch import FastLauncher, interpreting
 from .reference import v_token_major
 
 LOG2E = 1.4426950408889634
@@ -263,8 +262,8 @@ def _prefill_kernel(
 
 
 def compiled():
-    """False under the CPU interpreter (TRITON_INTERPRET=1), which cannot run inline PTX."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+    """The kernels' COMPILED flag: False under the CPU interpreter, which cannot run inline PTX."""
+    return not interpreting()
 
 
 def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name):
@@ -285,7 +284,7 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     if hq % hkv:
         raise ValueError(f"{name}: {hq} query heads are not a multiple of {hkv} kv heads")
     quant = k_cache.dtype == torch.int8
-    nb, page = k_cache.shape[:2]
+    page = k_cache.shape[1]
     if quant:  # int8 V (key-minor): each block contiguous and 16-aligned (the kernels' vector-load hints)
         v_ok = v_cache.stride()[1:] == (d * page, page, 1) and v_cache.stride(0) % 16 == 0
     else:  # a float V is read with K's offsets
