@@ -124,17 +124,24 @@ def set_config(table, key, cfg):
 # --- precompile in parallel (fills Triton's disk cache) ---------------------------------------
 
 
+TABLES = {"prefill": "PREFILL", "prefill_long": "PREFILL_LONG", "decode": "DECODE"}  # job kind -> config table
+
+
 def _warm_job(job):
     try:
         sys.path.insert(0, os.getcwd())
         from eightbit.kernels.decode_attention import decode_attention_splits
         from eightbit.kernels.prefill_attention import prefill_attention
 
+        from eightbit.kernels import attention_configs as C
+
         what, d, kind, cfg = job
-        set_config("PREFILL" if what == "prefill" else "DECODE", (d, kind), cfg)
+        set_config(TABLES[what], (d, kind), cfg)
+        if what == "prefill_long":
+            C.LONG_PREFILL_TOKENS = 1  # this worker's small warm-up prefill takes the long-prompt table
         caches = make_cache(32, d, kind)
         bt = torch.randperm(32, device="cuda", dtype=torch.int32).view(2, 16).contiguous()
-        if what == "prefill":
+        if what.startswith("prefill"):
             q = torch.randn(2 * 200, HQ, d, device="cuda", dtype=torch.bfloat16)
             cu = torch.tensor([0, 200, 400], device="cuda", dtype=torch.int32)
             sl = torch.tensor([256, 200], device="cuda", dtype=torch.int32)
@@ -260,13 +267,15 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
 
 # --- sweep ---------------------------------------------------------------------------------
 
-# Candidates of the last sweep (earlier sweeps, same card: docs/benchmarks/attention.md).
+# Candidates of the last sweep (earlier sweeps, same card: docs/benchmarks/attention.md). The prefill
+# sweep times 4k prompts, so it tunes the long-prompt table (PREFILL_LONG); the short-prompt table came
+# from same-process A/B runs at 512-2k tokens (attention.md, seventh session).
 PREFILL_CANDIDATES = {
-    (128, "bf16"): [dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
-    (128, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
-                    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
-    (64, "bf16"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
-    (64, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)],
+    (128, "bf16"): [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=5), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=5),
+                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)],
+    (128, "int8"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
+    (64, "bf16"): [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5), dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)],
+    (64, "int8"): [dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=5), dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)],
 }
 DECODE_CANDIDATES = [dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=128, num_warps=4, num_stages=3),
                      dict(BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=3),
@@ -280,7 +289,7 @@ SPLIT_SWEEP_SHAPES = [(1, 32768), (1, 8192), (16, 2048), (16, 8192), (32, 2048),
 def sweep(results, save):
     from eightbit.kernels import attention_configs as C
 
-    jobs = [("prefill", d, kind, c) for (d, kind), cs in PREFILL_CANDIDATES.items() for c in cs]
+    jobs = [("prefill_long", d, kind, c) for (d, kind), cs in PREFILL_CANDIDATES.items() for c in cs]
     jobs += [("decode", 128, kind, c) for kind in ("bf16", "int8") for c in DECODE_CANDIDATES]
     jobs = [(w, d, "float" if k == "bf16" else k, c) for w, d, k, c in jobs]
     precompile(jobs)
@@ -290,7 +299,7 @@ def sweep(results, save):
             key = (d, "float" if kind == "bf16" else kind)
             best = None
             for c in cands:
-                set_config("PREFILL", key, c)
+                set_config("PREFILL_LONG", key, c)
                 try:
                     r = prefill_case(d, 4096, kinds=(kind,), sdpa=False)
                     tf = r[f"ours_{kind}_tflops"]
@@ -301,8 +310,8 @@ def sweep(results, save):
                 print(f"sweep prefill d{d} {kind} {c}: {tf:.0f} TFLOP/s", flush=True)
                 if best is None or tf > best[0]:
                     best = (tf, c)
-            set_config("PREFILL", key, best[1])
-            chosen[f"prefill d{d} {kind}"] = best[1]
+            set_config("PREFILL_LONG", key, best[1])
+            chosen[f"prefill (long prompts) d{d} {kind}"] = best[1]
             save()
     for kind in ("int8", "bf16"):
         key = (128, "float" if kind == "bf16" else kind)
@@ -384,7 +393,8 @@ def main():
     else:
         from eightbit.kernels import attention_configs as C
 
-        jobs = [("prefill", d, k, C.PREFILL[(d, k)]) for d in (64, 128) for k in ("float", "int8")]
+        jobs = [(w, d, k, getattr(C, TABLES[w])[(d, k)]) for w in ("prefill", "prefill_long")
+                for d in (64, 128) for k in ("float", "int8")]
         jobs += [("decode", 128, k, C.DECODE[(128, k)]) for k in ("float", "int8")]
         precompile(jobs)
 

@@ -7,17 +7,32 @@ the nearest entry below it (the kernels need a power-of-two head_dim anyway).
 How the numbers were picked: eval/bench_attention.py sweeps a few candidates per shape on the
 GPU (see docs/benchmarks/attention.md for the card and the date) and the best went here.
 
-    prefill: BLOCK_M queries x BLOCK_N keys per step (BLOCK_N may span several cache pages)
+    prefill: BLOCK_M queries x BLOCK_N keys per step (BLOCK_N may span several cache pages);
+             one table for short prompts, one for long ones (PREFILL_LONG)
     decode:  BLOCK_N keys per step, for one sequence and the whole group of query heads that
              share a KV head (padded to >= 16 rows for tl.dot)
 """
 
 # (head_dim, cache kind) -> launch parameters
 PREFILL = {
-    (64, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    (64, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5),
     (64, "int8"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
     (128, "float"): dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
     (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+}
+
+# Prefills averaging at least LONG_PREFILL_TOKENS query tokens per sequence (every key loop then runs
+# thousands of keys) take these instead. From 5 stages on, Triton's pipeliner keeps the next tiles'
+# paged K/V copies in flight during the dots; with fewer it waits for every copy at each step
+# (the block-table read joins the same copy group). Bigger tiles pay off only on long loops: bf16
+# d128 with 128 x 128 tiles on 8 warps ran 8-14 % faster from 3k tokens on and 10-20 % slower up
+# to 1.5k (H100, docs/benchmarks/attention.md, seventh session).
+LONG_PREFILL_TOKENS = 3072
+PREFILL_LONG = {
+    (64, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5),
+    (64, "int8"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=5),
+    (128, "float"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=5),
+    (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5),
 }
 
 DECODE = {
@@ -61,8 +76,10 @@ def _lookup(table, head_dim, kind):
     return dict(table[(below[-1] if below else dims[0], kind)])
 
 
-def prefill_config(head_dim, cache_dtype):
-    return _lookup(PREFILL, head_dim, cache_kind(cache_dtype))
+def prefill_config(head_dim, cache_dtype, tokens_per_seq=0):
+    """tokens_per_seq: the call's query tokens / sequences (known on the host, so graph-safe)."""
+    table = PREFILL_LONG if tokens_per_seq >= LONG_PREFILL_TOKENS else PREFILL
+    return _lookup(table, head_dim, cache_kind(cache_dtype))
 
 
 def decode_config(head_dim, cache_dtype):

@@ -373,7 +373,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0 or b == 0:
         return out
-    cfg = prefill_config(d, k_cache.dtype)
+    cfg = prefill_config(d, k_cache.dtype, t // b)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bound, tile_seq, tile_idx = _tile_map(cu_seqlens_q, t, bm)
     hkv = k_cache.shape[2]

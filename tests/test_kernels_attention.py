@@ -277,6 +277,32 @@ def test_prefill_matches_reference(monkeypatch, dtype, cache, d, hq, hkv, page):
 
 
 @cpu_only
+@pytest.mark.parametrize("dtype,cache,d,hq,hkv,page", [PREFILL_CASES[1], PREFILL_CASES[3]])
+def test_prefill_long_prompt_configs_match_reference(monkeypatch, dtype, cache, d, hq, hkv, page):
+    """The long-prompt launch table (bigger tiles, more stages) gives the same answers; the threshold is
+    lowered so that these small sequences take it, and the configs the kernel got are checked."""
+    from eightbit.kernels import attention_configs as C
+
+    monkeypatch.setattr(C, "LONG_PREFILL_TOKENS", 1)
+    used = []
+    real = pmod.prefill_config
+
+    def recording(*args):
+        cfg = real(*args)
+        used.append(dict(cfg))  # the launcher pops the block sizes out of cfg
+        return cfg
+
+    monkeypatch.setattr(pmod, "prefill_config", recording)
+    cache_dtype, group = _cache_args(cache, d, dtype)
+    sc = Scenario(SEQS, hq, hkv, d, cache_dtype, group, page=page, share_prefix_blocks=2, seed=hq + d)
+    q = torch.randn(sc.T, hq, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    scale = d ** -0.5
+    out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    assert used == [C.PREFILL_LONG[(d, "int8" if cache_dtype == torch.int8 else "float")]]
+    close(out, R.prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale), TOL[dtype])
+
+
+@cpu_only
 def test_prefill_int64_metadata_and_empty_sequence():
     sc = Scenario([(40, 0), (33, 9), (5, 5)], 4, 2, 64, torch.int8, 32, seed=3)
     q = torch.randn(sc.T, 4, 64, dtype=torch.float16)
@@ -410,6 +436,23 @@ def test_gpu_prefill_bf16(cache, d, hq, hkv):
     group = 32 if cache == "int8-32" else d
     seqs = [(1, 1), (1000, 1000), (2100, 333), (777, 1), (4096, 600)]
     sc = Scenario(seqs, hq, hkv, d, cache_dtype, group, share_prefix_blocks=3, device="cuda", seed=d)
+    q = torch.randn(sc.T, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, d ** -0.5)
+    torch.cuda.synchronize()
+    _check_fa_rule(out, q, sc, d ** -0.5)
+
+
+@gpu
+@pytest.mark.parametrize("cache,d,hq,hkv", GPU_CASES)
+def test_gpu_prefill_long_prompts_bf16(cache, d, hq, hkv):
+    """Prompts averaging >= LONG_PREFILL_TOKENS take the long-prompt launch table."""
+    from eightbit.kernels.attention_configs import LONG_PREFILL_TOKENS
+
+    cache_dtype = torch.int8 if cache.startswith("int8") else torch.bfloat16
+    group = 32 if cache == "int8-32" else d
+    seqs = [(5000, 4100), (3300, 3300)]
+    assert sum(n for _, n in seqs) // len(seqs) >= LONG_PREFILL_TOKENS
+    sc = Scenario(seqs, hq, hkv, d, cache_dtype, group, device="cuda", seed=d + 1)
     q = torch.randn(sc.T, hq, d, device="cuda", dtype=torch.bfloat16)
     out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, d ** -0.5)
     torch.cuda.synchronize()

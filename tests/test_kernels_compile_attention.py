@@ -61,14 +61,16 @@ SCRIPT = textwrap.dedent(
 
     which = sys.argv[1]
     if which == "prefill":
-        for (d, kind), cfg in sorted(C.PREFILL.items()):
+        entries = [(f"prefill d{d} {kind}", d, kind, cfg) for (d, kind), cfg in sorted(C.PREFILL.items())]
+        entries += [(f"prefill (long) d{d} {kind}", d, kind, cfg) for (d, kind), cfg in sorted(C.PREFILL_LONG.items())]
+        for name, d, kind, cfg in entries:
             cfg = dict(cfg)
             ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache_ptrs(kind), "block_tables_ptr": "*i32",
                     "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32"}
             consts = dict(QPK=4, HEAD_DIM=d, GROUP=32 if kind == "int8" else d, PAGE_SIZE=16,
                           BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), QUANT=kind == "int8",
                           COMPILED=True)
-            build(f"prefill d{d} {kind}", _prefill_kernel, ptrs, {"qk_scale": "fp32"}, consts, cfg)
+            build(name, _prefill_kernel, ptrs, {"qk_scale": "fp32"}, consts, cfg)
     elif which == "decode":
         for (d, kind), cfg in sorted(C.DECODE.items()):
             for splits, page in ((1, 16), (8, 16), (8, 8), (8, 32)):
