@@ -185,11 +185,13 @@ def _decode_reduce_kernel(
     wsum = tl.zeros([], tl.float32)
     for s0 in range(0, num_splits, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
-        lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+        live = s < num_splits
+        # both loads go out together (an empty split stored o = 0, so its weight 0 needs no mask)
+        lse = tl.load(part_lse_ptr + base + s, mask=live, other=float("-inf"))
+        o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty (seq_len 0)
         w = tl.math.exp2(lse - m_ref)
-        o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + cols[None, :], mask=(w > 0)[:, None], other=0.0)
         rescale = tl.math.exp2(m - m_ref)
         acc = acc * rescale + tl.sum(o * w[:, None], 0)
         wsum = wsum * rescale + tl.sum(w, 0)
