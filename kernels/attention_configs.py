@@ -26,12 +26,13 @@ PREFILL = {
 # paged K/V copies in flight during the dots; with fewer it waits for every copy at each step
 # (the block-table read joins the same copy group). Bigger tiles pay off only on long loops: bf16
 # d128 with 128 x 128 tiles on 8 warps ran 8-14 % faster from 3k tokens on and 10-20 % slower up
-# to 1.5k (H100, docs/benchmarks/attention.md, seventh session).
+# to 1.5k, and 256 x 64 tiles another 2-5 % faster from 3k on (H100, docs/benchmarks/attention.md,
+# seventh session).
 LONG_PREFILL_TOKENS = 3072
 PREFILL_LONG = {
     (64, "float"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5),
     (64, "int8"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=5),
-    (128, "float"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=5),
+    (128, "float"): dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=5),
     (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5),
 }
 

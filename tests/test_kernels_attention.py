@@ -277,7 +277,7 @@ def test_prefill_matches_reference(monkeypatch, dtype, cache, d, hq, hkv, page):
 
 
 @cpu_only
-@pytest.mark.parametrize("dtype,cache,d,hq,hkv,page", [PREFILL_CASES[1], PREFILL_CASES[3]])
+@pytest.mark.parametrize("dtype,cache,d,hq,hkv,page", [PREFILL_CASES[1], PREFILL_CASES[3], PREFILL_CASES[4]])
 def test_prefill_long_prompt_configs_match_reference(monkeypatch, dtype, cache, d, hq, hkv, page):
     """The long-prompt launch table (bigger tiles, more stages) gives the same answers; the threshold is
     lowered so that these small sequences take it, and the configs the kernel got are checked."""
