@@ -107,7 +107,8 @@ class LLMEngine:
         elif c.kv_cache_memory_gb is not None or not self.on_cuda:
             num_blocks = int((c.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30 // bytes_per_block)
         else:  # what is left under gpu_memory_utilization after the weights and the biggest step's activations
-            peak = self.runner.profile_peak_memory(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
+            peak = self.runner.profile_peak_memory(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
+                                                   self.kv_dtype, self.kv_group_size)
             free, total = torch.cuda.mem_get_info()
             other_processes = total - free - torch.cuda.memory_reserved()
             budget = total * c.gpu_memory_utilization - other_processes - peak - GRAPH_RESERVE_BYTES

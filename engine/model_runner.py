@@ -129,15 +129,19 @@ class ModelRunner:
             reset_context()
 
     @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len) -> int:
+    def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len, kv_dtype=None, kv_group_size=None) -> int:
         """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits), in bytes.
 
-        Runs with a temporary KV cache just large enough; the cache's own bytes are not counted.
+        Runs with a temporary KV cache of the engine's kind, just large enough; the cache's own bytes are
+        not counted. Being a long one-sequence prefill, it also compiles the long-prompt attention kernels
+        here rather than at the first long prompt.
         """
         n = min(num_tokens, max_model_len)
         blocks = -(-n // self.block_size)
-        self.allocate_kv_cache(blocks, self.model.model.embed_tokens.weight.dtype)
-        cache_bytes = 2 * self.kv_cache.k.numel() * self.kv_cache.k.element_size()
+        self.allocate_kv_cache(blocks, kv_dtype or self.model.model.embed_tokens.weight.dtype, kv_group_size)
+        cache_bytes = sum(t.numel() * t.element_size() for t in (self.kv_cache.k, self.kv_cache.v,
+                                                                  self.kv_cache.k_scale, self.kv_cache.v_scale)
+                          if t is not None)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         context = Context(torch.arange(n), torch.arange(blocks, dtype=torch.int32).view(1, -1),
