@@ -331,7 +331,7 @@ TARGET_SHAPES = [  # (N, K): Llama-3-8B, Llama-3.2-1B, SmolLM2-135M
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("nk", TARGET_SHAPES, ids=str)
-@pytest.mark.parametrize("m", [1, 16, 64, 256, 1024, 4096])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 256, 1024, 4096])
 def test_gemm_gpu_table_shapes(nk, m):
     n, k = nk
     g = _gen(m + n + k)
