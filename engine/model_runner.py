@@ -41,6 +41,13 @@ class KVCache:
             self.k_scale = alloc(scale_shape, dtype=torch.float16, device=device)
             self.v_scale = alloc(scale_shape, dtype=torch.float16, device=device)
 
+    def tensors(self):
+        """K, V and (int8) their scales: every tensor the cache holds."""
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
     def layer(self, i):
         scales = (None, None) if self.k_scale is None else (self.k_scale[i], self.v_scale[i])
         return self.k[i], self.v[i], *scales
@@ -50,9 +57,8 @@ class KVCache:
         """Copy-on-write: duplicate whole blocks (all layers) before a shared block is written."""
         src = torch.tensor([s for s, _ in copies], device=self.k.device)
         dst = torch.tensor([d for _, d in copies], device=self.k.device)
-        for t in (self.k, self.v, self.k_scale, self.v_scale):
-            if t is not None:
-                t[:, dst] = t[:, src]
+        for t in self.tensors():
+            t[:, dst] = t[:, src]
 
 
 def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, group_size=None) -> float:
@@ -129,7 +135,7 @@ class ModelRunner:
             reset_context()
 
     @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len, kv_dtype=None, kv_group_size=None) -> int:
+    def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len, kv_dtype, kv_group_size) -> int:
         """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits), in bytes.
 
         Runs with a temporary KV cache of the engine's kind, just large enough; the cache's own bytes are
@@ -138,10 +144,8 @@ class ModelRunner:
         """
         n = min(num_tokens, max_model_len)
         blocks = -(-n // self.block_size)
-        self.allocate_kv_cache(blocks, kv_dtype or self.model.model.embed_tokens.weight.dtype, kv_group_size)
-        cache_bytes = sum(t.numel() * t.element_size() for t in (self.kv_cache.k, self.kv_cache.v,
-                                                                  self.kv_cache.k_scale, self.kv_cache.v_scale)
-                          if t is not None)
+        self.allocate_kv_cache(blocks, kv_dtype, kv_group_size)
+        cache_bytes = self.kv_cache.nbytes()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         context = Context(torch.arange(n), torch.arange(blocks, dtype=torch.int32).view(1, -1),

@@ -130,10 +130,9 @@ TABLES = {"prefill": "PREFILL", "prefill_long": "PREFILL_LONG", "decode": "DECOD
 def _warm_job(job):
     try:
         sys.path.insert(0, os.getcwd())
+        from eightbit.kernels import attention_configs as C
         from eightbit.kernels.decode_attention import decode_attention_splits
         from eightbit.kernels.prefill_attention import prefill_attention
-
-        from eightbit.kernels import attention_configs as C
 
         what, d, kind, cfg = job
         set_config(TABLES[what], (d, kind), cfg)
