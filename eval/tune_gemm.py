@@ -9,8 +9,9 @@ For every target (N, K) (Llama-3-8B and Llama-3.2-1B linear shapes) and every
 M bucket of gemm_configs.M_BUCKETS, each candidate configuration is
 1. compiled ahead in a pool of worker processes (one compile per config and
    specialization; they fill Triton's on-disk cache, so the timing process only loads),
-2. checked: with scales of 1 and an fp32 output the result must equal the exact
-   int32 product (torch, float64) bit for bit,
+2. checked: with scales of 1 the result must equal the exact int32 product (torch,
+   float64) bit for bit, as an fp32 output and rounded to a bf16 one (the kernels may
+   store the two differently),
 3. timed as CUDA-graph replays over rotated weight copies (eval/bench_gemm.time_graph).
 The fastest correct candidate is written with its time and the default's time.
 Shapes not finished inside the budget keep the default (gemm_configs.default_config).
@@ -40,6 +41,18 @@ GEMV_TILES = {  # M bucket -> (block_n, block_k, num_warps): <= ~64 accumulator 
 }
 
 
+def _ws_candidates():
+    """The warp-specialized Gluon kernel (sm_90; int8_gemm_hopper.py): two 64-row consumer warp groups
+    (block_m 128, num_warps 4) under 208-213 KB of shared memory for the ring and the output tile."""
+    from eightbit.kernels.gemm_configs import GemmConfig as C
+
+    return [C(128, 256, 64, 8, 1, 4, 6, "ws"), C(128, 256, 64, 16, 1, 4, 6, "ws"), C(128, 256, 128, 8, 1, 4, 3, "ws"),
+            C(128, 128, 128, 8, 1, 4, 4, "ws"), C(128, 128, 64, 8, 1, 4, 8, "ws")]
+
+
+WS_CANDIDATES = _ws_candidates()
+
+
 def candidates(m):
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
@@ -67,8 +80,8 @@ def candidates(m):
                 # won gate_up at M 128 and 256 (seventh session); 256-row tiles (one M tile for the whole
                 # batch) lost every shape at M = 256 by 8-76 %: there these GEMMs are bound by the MMA
                 # pipeline, not by reading the weights (docs/benchmarks/gemm.md)
-                C(128, 128, 128, 8, 1, 8, 3)]
-    return [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
+                C(128, 128, 128, 8, 1, 8, 3)] + WS_CANDIDATES[-2:]
+    return WS_CANDIDATES + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
             C(128, 256, 64, 8, 1, 8, 4), C(128, 128, 64, 8, 1, 4, 5), C(128, 128, 128, 8, 1, 4, 4),
             C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3),
             # the persistent TMA kernel (sm_90)
@@ -176,7 +189,8 @@ def main(argv=None):
             for cfg in cands:
                 try:
                     out = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.float32, cfg)
-                    if not torch.equal(out, exact):
+                    out16 = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.bfloat16, cfg)
+                    if not (torch.equal(out, exact) and torch.equal(out16, exact.to(torch.bfloat16))):
                         print(f"WRONG RESULT: {cfg} at M={m} N={n} K={k}", flush=True)
                         continue
                     timings[cfg] = time_graph(

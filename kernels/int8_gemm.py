@@ -43,6 +43,11 @@ the tile and K loops flattened into one pipeline. On an H100 it ran 1.1-1.25x fa
 pointer kernel at M >= 1024 (docs/benchmarks/gemm.md). It needs sm_90 and 16-byte aligned rows (see tma_ok);
 otherwise the pointer kernel runs.
 
+Large M on an H100/H200 has a fourth kernel, written in Gluon in int8_gemm_hopper.py (config.kernel ==
+"ws"): warp-specialized, a TMA producer warp feeding two consumer warp groups that keep one int8 wgmma
+in flight; 1.10-1.36x faster than the TMA kernel at M >= 512 (docs/benchmarks/gemm.md). It needs sm_90
+and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "dot" kernel runs instead.
+
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
 """
@@ -425,6 +430,20 @@ def _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
     return out
 
 
+def _ws_ok(x_q, w_q, out):
+    if x_q.device.type != "cuda" or interpreting():
+        return False
+    from eightbit.kernels.int8_gemm_hopper import ws_ok  # Gluon: imported only where it can run
+
+    return ws_ok(x_q, w_q, out)
+
+
+def _launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
+    from eightbit.kernels.int8_gemm_hopper import launch_ws
+
+    return launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, sm_count(x_q.device))
+
+
 def gemv_ok(x_q, w_q):
     """The gemv kernel reads both operands as int32 words: K, the row strides and the offsets must allow it."""
     k = x_q.shape[1]
@@ -493,7 +512,8 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:
         raise ValueError(f"out must be a {out_dtype} [{m}, {n}] tensor on {x_q.device}")
-    if (cfg.kernel == "gemv" and not gemv_ok(x_q, w_q)) or (cfg.kernel == "tma" and not tma_ok(x_q, w_q, out)):
+    if ((cfg.kernel == "gemv" and not gemv_ok(x_q, w_q)) or (cfg.kernel == "tma" and not tma_ok(x_q, w_q, out))
+            or (cfg.kernel == "ws" and not _ws_ok(x_q, w_q, out))):
         cfg = dot_config(m, n, k)
     if m == 0 or n == 0:
         return out
@@ -504,6 +524,8 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         return _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
     if cfg.kernel == "tma":
         return _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
+    if cfg.kernel == "ws":
+        return _launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     if split_k > 1:

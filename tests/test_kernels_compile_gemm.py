@@ -21,7 +21,8 @@ def _gemm_jobs():
     from eightbit.kernels import gemm_configs as gc
 
     jobs = {(gc.GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), True), (gc.GemmConfig(8, 8, 512, 1, 2, 4, 1, "gemv"), False),
-            (gc.GemmConfig(256, 128, 128, 8, 1, 8, 3, "tma"), True)}
+            (gc.GemmConfig(256, 128, 128, 8, 1, 8, 3, "tma"), True), (gc.GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), True),
+            (gc.GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws"), True)}
     shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
     for (mb, n, k), cfg in gc.table_entries().items():
         jobs.add((cfg, k % cfg.block_k == 0))
@@ -76,6 +77,8 @@ def _compile_gemm(job):
                 "the TMA kernel must use wgmma and TMA loads"
             shared = max(shared, k.metadata.shared)
         return cfg.key(), even_k, shared, None
+    if cfg.kernel == "ws":
+        return _compile_ws(cfg)
     fn = _int8_gemm_kernel
     sig = {
         "a_ptr": "*i8", "xs_ptr": "*fp32", "b_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
@@ -97,6 +100,46 @@ def _compile_gemm(job):
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     return cfg.key(), even_k, k.metadata.shared, k.n_regs if hasattr(k, "n_regs") else None
+
+
+def _compile_ws(cfg):
+    """The Gluon kernel, for a bf16 output (TMA store) and an fp32 one (stored from registers)."""
+    import re
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from eightbit.kernels import int8_gemm_hopper as H
+
+    def desc(dtype, block):
+        t = torch.zeros(256, 512, dtype=dtype)
+        return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, H._GL_DTYPES.get(dtype, gl.int8))))
+
+    fn = H._int8_gemm_ws_kernel
+    shared = 0
+    for out, tma_store in ((torch.bfloat16, True), (torch.float32, False)):
+        sig = {"a_desc": desc(torch.int8, [64, cfg.block_k]), "b_desc": desc(torch.int8, [cfg.block_n, cfg.block_k]),
+               "c_desc": desc(out, [64, cfg.block_n] if tma_store else [8, 16]), "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+               "bias_ptr": "*bf16", "c_ptr": "*bf16" if tma_store else "*fp32", "M": "i32", "N": "i32", "K": "i32",
+               "stride_cm": "i32"}
+        consts = {"HAS_BIAS": True, "TMA_STORE": tma_store, "GROUP_M": cfg.group_m, "STAGES": cfg.num_stages,
+                  "LAYOUT": H.accumulator_layout(cfg.block_n)}
+        sig.update({name: "constexpr" for name in consts})
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+                 for a in ("xs_ptr", "ws_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_cm")}
+        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+        ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+        assert "wgmma.mma_async.sync.aligned" in ptx and "s32.s8.s8" in ptx, "int8 wgmma expected"
+        assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, "TMA copies and warp specialization expected"
+        assert "1" in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one wgmma must stay in flight"
+        shared = max(shared, k.metadata.shared)
+    return cfg.key(), True, shared, None
 
 
 def _compile_row(job):

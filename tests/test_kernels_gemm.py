@@ -182,6 +182,19 @@ def test_gemm_tma_matches_reference_and_falls_back_cpu(with_bias, monkeypatch):
     assert len(launched) == 1, "a shape TMA cannot describe reached the TMA kernel"
 
 
+WS_CONFIGS = [GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws")]
+
+
+@cpu
+def test_gemm_ws_config_falls_back_off_hopper_cpu(monkeypatch):
+    """The Gluon kernel has no interpreter: a "ws" config runs the Triton dot kernel on the CPU, exactly."""
+    from eightbit.kernels import int8_gemm as mod
+
+    monkeypatch.setattr(mod, "_launch_ws", lambda *a: pytest.fail("the Gluon kernel was launched on the CPU"))
+    _check_gemm_exact("cpu", WS_CONFIGS[1], 37, 80, 96, seed=8)
+    _check_gemm_ref("cpu", WS_CONFIGS[0], 5, 40, 64, seed=9, out_dtype=torch.float16, with_bias=True, exact=False)
+
+
 @cpu
 def test_gemm_default_config_and_table_lookup_cpu(poison):
     # SmolLM2-135M's o-projection shape through the public entry point (table or default config)
@@ -234,8 +247,9 @@ def test_config_table_is_well_formed():
         if cfg.kernel == "gemv":
             assert cfg.block_m in (1, 2, 4, 8) and cfg.block_k % 16 == 0 and cfg.block_n >= 8
         else:
-            assert cfg.kernel in ("dot", "tma") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
+            assert cfg.kernel in ("dot", "tma", "ws") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
             assert cfg.kernel == "dot" or cfg.split_k == 1
+            assert cfg.kernel != "ws" or (cfg.block_m == 128 and cfg.num_warps == 4)
     assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(3) == 4 and gemm_configs.m_bucket(17) == 32
     assert gemm_configs.m_bucket(100000) == gemm_configs.M_BUCKETS[-1]
     for m in (1, 3, 8, 64, 65, 5000):
@@ -365,6 +379,38 @@ def test_gemm_gpu_configs(cfg, shape):
     _check_gemm_exact("cuda", cfg, *shape[:2], min(shape[2], 992), seed=1)
     for bias in (False, True):
         _check_gemm_ref("cuda", cfg, *shape, seed=2, out_dtype=torch.bfloat16, with_bias=bias, exact=False)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: "x".join(map(str, c.key())))
+@pytest.mark.parametrize("shape", [(1, 2048, 2048), (77, 3072, 2080), (130, 136, 512), (1000, 1040, 4096)], ids=str)
+def test_gemm_gpu_ws_kernel(cfg, shape, monkeypatch):
+    """The warp-specialized Gluon kernel (sm_90): M = 1, M and N off the tile, K off BLOCK_K (2080 = 32 x 65).
+    Exact against the int32 product (fp32 out, stored from registers); with scales and bias, bf16 and fp16
+    outputs (TMA store) equal the Triton dot kernel's bit for bit (the same epilogue arithmetic)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is compiled for sm_90 only")
+    from eightbit.kernels import int8_gemm as mod
+
+    launched = []
+    real_launch = mod._launch_ws
+    monkeypatch.setattr(mod, "_launch_ws", lambda *a: launched.append(a[-1].key()) or real_launch(*a))
+    m, n, k = shape
+    _check_gemm_exact("cuda", cfg, m, n, min(k, 992), seed=3)
+    g = _gen(4)
+    xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
+    xq[0, :64] = -128
+    wq[-1, :64] = -128
+    xs = (torch.rand(m, 1, generator=g) * 0.02).cuda()
+    ws = (torch.rand(n, 1, generator=g) * 0.02).cuda()
+    dot = gemm_configs.dot_config(m, n, k)
+    for dtype in (torch.bfloat16, torch.float16):
+        for bias in (None, torch.randn(n, generator=g).cuda().to(dtype)):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+            int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, cfg, out=out)
+            assert torch.equal(out, int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, dot))
+    assert len(launched) == 5, "every call above should have run the Gluon kernel"
 
 
 @gpu

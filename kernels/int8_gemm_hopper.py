@@ -1,0 +1,211 @@
+"""The Hopper (sm_90) kernel of int8_gemm for large M: warp-specialized, written in Gluon.
+
+Same contract and the same epilogue arithmetic as the Triton kernels in int8_gemm.py (exact int32
+accumulation, then `acc * x_scale[m] * w_scale[n] (+ bias[n])`, cast to the output dtype), so their
+outputs are equal bit for bit. It runs the table's "ws" entries (config.kernel == "ws").
+
+Why Gluon (Triton's lower-level dialect, where layouts, shared memory, TMA copies, mbarriers and the
+wgmma waits are written out): the Triton kernels stop at 50-67 % of the int8 tensor-core peak. Every
+warp there both issues the copies and does the math, so the whole CTA meets at a barrier several
+times per K step, and Triton's pipeliner waits for each int32-accumulating wgmma before issuing the
+next. Here three partitions of one CTA run side by side (measured 1.10-1.36x faster at M >= 1024 on an
+H100, docs/benchmarks/gemm.md):
+
+* a producer warp (40 registers) walks this program's tiles and K steps and fills a ring of STAGES
+  shared-memory slots by TMA: per slot two A tiles [64, BLOCK_K] (one per consumer) and one B tile
+  [BLOCK_N, BLOCK_K], zero-padded past M, N and K. It waits on the slot's `empty` barrier, then
+  arms its `ready` barrier with the byte count;
+* two consumer warp groups (232 registers each) compute the two 64-row halves of a 128 x BLOCK_N
+  tile against the shared B tile: wait `ready`, issue the wgmma asynchronously, wait until at most
+  that one is in flight (so the previous step's has retired) and hand that step's slot back by
+  arriving on its `empty` barrier (count 2: both consumers). The epilogue scales the accumulator
+  in registers and stores it through shared memory with a TMA store (bf16/fp16 outputs) or, for
+  fp32 outputs (tests, tuning), straight from registers;
+* programs are persistent (one per SM) and walk tiles in grouped order, so the producer is already
+  fetching the next tile while the consumers run their epilogue.
+
+There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the
+Triton kernels instead (see ws_ok). A CPU test compiles this kernel for sm_90; the GPU tests compare
+it with the exact int32 product.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ROWS_PER_CONSUMER = 64  # one wgmma row block per consumer warp group; a tile is 2 x 64 rows
+SUB_M = gl.constexpr(ROWS_PER_CONSUMER)  # the same, for the kernels
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+# N sizes of the int8 wgmma instruction (m64nNk32) that Triton lowers
+_INT8_INSTR_N = (224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 24, 16, 8)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def accumulator_layout(block_n):
+    """A consumer's [64, BLOCK_N] int32 accumulator: one warp group, the widest instruction dividing BLOCK_N."""
+    instr_n = next(n for n in _INT8_INSTR_N if block_n % n == 0)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, instr_n, 32])
+
+
+@gluon.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """Tile index -> (pid_m, pid_n) in grouped order (the same walk as int8_gemm._grouped_tile)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + ((tile % per_group) % group_size), (tile % per_group) // group_size
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, k_tiles,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    step = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * 2 * SUB_M
+        for kk in range(k_tiles):
+            slot = step % STAGES
+            # the consumers released this slot's previous use (the first pass finds it free)
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, kk * BLOCK_K], bar, a0_bufs.index(slot))
+            tma.async_copy_global_to_shared(a_desc, [off_m + SUB_M, kk * BLOCK_K], bar, a1_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], bar, b_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _epilogue(acc, off_m, off_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c_desc, c_smem, stride_cm,
+              HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    offs_m = off_m + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, LAYOUT))
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LAYOUT))
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    xs = gl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
+    ws = gl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    out = acc.to(gl.float32) * gl.expand_dims(xs, 1) * gl.expand_dims(ws, 0)
+    if HAS_BIAS:
+        b = gl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(gl.float32)
+        out = out + gl.expand_dims(b, 0)
+    if TMA_STORE:  # rows and columns past the edge are dropped by the copy engine
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.store(out.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    else:
+        ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
+        gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=gl.expand_dims(mask_m, 1) & gl.expand_dims(mask_n, 0))
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, stride_cm,
+              num_pid_m, num_pid_n, k_tiles, HALF: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAYOUT: gl.constexpr):
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    if TMA_STORE:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_smem = a_bufs  # unused
+    step = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros([SUB_M, BLOCK_N], gl.int32, LAYOUT)
+        for kk in range(k_tiles):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous step's wgmma has retired: its slot goes back to the producer
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+        _epilogue(acc, pid_m * 2 * SUB_M + HALF * SUB_M, pid_n * BLOCK_N, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr,
+                  c_desc, c_smem, stride_cm, HAS_BIAS, TMA_STORE, BLOCK_N, LAYOUT)
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _int8_gemm_ws_kernel(a_desc, b_desc, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K, stride_cm,
+                         HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
+                         STAGES: gl.constexpr, LAYOUT: gl.constexpr):
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    a0_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, SUB_M, BLOCK_K], a_desc.layout)
+    a1_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, SUB_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    num_pid_m = gl.cdiv(M, 2 * SUB_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    gl.warp_specialize([
+        (_consumer, (a0_bufs, b_bufs, ready, empty, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, stride_cm, num_pid_m,
+                     num_pid_n, k_tiles, 0, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT)),
+        (_consumer, (a1_bufs, b_bufs, ready, empty, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, stride_cm, num_pid_m,
+                     num_pid_n, k_tiles, 1, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT)),
+        (_producer, (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, k_tiles,
+                     GROUP_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def ws_ok(x_q, w_q, out):
+    """Compiled on sm_90 only (sm_100 has other tensor-core instructions), with TMA-legal operands:
+    16-byte aligned bases and row strides, unit stride along K."""
+    from eightbit.kernels.launch import interpreting
+
+    if interpreting() or x_q.device.type != "cuda" or torch.cuda.get_device_capability(x_q.device) != (9, 0):
+        return False
+    operands = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x_q, w_q))
+    return operands and out.stride(1) == 1
+
+
+def _tma_store_ok(out):
+    return (out.dtype in (torch.bfloat16, torch.float16) and out.data_ptr() % 16 == 0
+            and (out.stride(0) * out.element_size()) % 16 == 0)
+
+
+_unused = {}
+
+
+def _unused_output(device, dtype):
+    """A small aligned tensor standing in for the output descriptor when the epilogue stores from registers."""
+    key = (device, dtype)
+    if key not in _unused:
+        _unused[key] = torch.empty(8, 16, dtype=dtype, device=device)
+    return _unused[key]
+
+
+def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms):
+    sub_m = ROWS_PER_CONSUMER
+    if cfg.block_m != 2 * sub_m or cfg.num_warps != 4 or cfg.split_k != 1:
+        raise ValueError(f"a 'ws' config has block_m={2 * sub_m}, num_warps=4 and split_k=1, got {cfg}")
+    a_desc = TensorDescriptor.from_tensor(x_q, [sub_m, cfg.block_k],
+                                          gl.NVMMASharedLayout.get_default_for([sub_m, cfg.block_k], gl.int8))
+    b_desc = TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k],
+                                          gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], gl.int8))
+    tma_store = _tma_store_ok(out)
+    c_block = [sub_m, cfg.block_n] if tma_store else [8, 16]
+    c_target = out if tma_store else _unused_output(out.device, out.dtype)  # only its type matters then
+    c_desc = TensorDescriptor.from_tensor(c_target, c_block,
+                                          gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    _int8_gemm_ws_kernel[(min(tiles, num_sms),)](
+        a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale, out, m, n, k, out.stride(0),
+        HAS_BIAS=bias is not None, TMA_STORE=tma_store, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        LAYOUT=accumulator_layout(cfg.block_n), num_warps=4, enable_fp_fusion=False)
+    return out
