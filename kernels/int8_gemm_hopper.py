@@ -29,6 +29,8 @@ Triton kernels instead (see ws_ok). A CPU test compiles this kernel for sm_90; t
 it with the exact int32 product.
 """
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -36,6 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from eightbit.kernels.launch import FastLauncher, interpreting
 
 ROWS_PER_CONSUMER = 64  # one wgmma row block per consumer warp group; a tile is 2 x 64 rows
 SUB_M = gl.constexpr(ROWS_PER_CONSUMER)  # the same, for the kernels
@@ -46,6 +50,7 @@ _INT8_INSTR_N = (224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 24,
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
+@functools.lru_cache(maxsize=None)
 def accumulator_layout(block_n):
     """A consumer's [64, BLOCK_N] int32 accumulator: one warp group, the widest instruction dividing BLOCK_N."""
     instr_n = next(n for n in _INT8_INSTR_N if block_n % n == 0)
@@ -163,11 +168,21 @@ def _int8_gemm_ws_kernel(a_desc, b_desc, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+_launch_kernel = FastLauncher(_int8_gemm_ws_kernel)  # Triton's own launch path cost ~150 us of host time here
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
+def _descriptor(t, block, dtype):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, dtype))
+
+
 def ws_ok(x_q, w_q, out):
     """Compiled on sm_90 only (sm_100 has other tensor-core instructions), with TMA-legal operands:
     16-byte aligned bases and row strides, unit stride along K."""
-    from eightbit.kernels.launch import interpreting
-
     if interpreting() or x_q.device.type != "cuda" or torch.cuda.get_device_capability(x_q.device) != (9, 0):
         return False
     operands = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x_q, w_q))
@@ -194,18 +209,15 @@ def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms):
     sub_m = ROWS_PER_CONSUMER
     if cfg.block_m != 2 * sub_m or cfg.num_warps != 4 or cfg.split_k != 1:
         raise ValueError(f"a 'ws' config has block_m={2 * sub_m}, num_warps=4 and split_k=1, got {cfg}")
-    a_desc = TensorDescriptor.from_tensor(x_q, [sub_m, cfg.block_k],
-                                          gl.NVMMASharedLayout.get_default_for([sub_m, cfg.block_k], gl.int8))
-    b_desc = TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k],
-                                          gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], gl.int8))
     tma_store = _tma_store_ok(out)
-    c_block = [sub_m, cfg.block_n] if tma_store else [8, 16]
+    c_block = (sub_m, cfg.block_n) if tma_store else (8, 16)
     c_target = out if tma_store else _unused_output(out.device, out.dtype)  # only its type matters then
-    c_desc = TensorDescriptor.from_tensor(c_target, c_block,
-                                          gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    _int8_gemm_ws_kernel[(min(tiles, num_sms),)](
-        a_desc, b_desc, c_desc, x_scale, w_scale, bias if bias is not None else w_scale, out, m, n, k, out.stride(0),
+    _launch_kernel((min(tiles, num_sms),), dict(
+        a_desc=_descriptor(x_q, (sub_m, cfg.block_k), gl.int8), b_desc=_descriptor(w_q, (cfg.block_n, cfg.block_k), gl.int8),
+        c_desc=_descriptor(c_target, c_block, _GL_DTYPES[out.dtype]), xs_ptr=x_scale, ws_ptr=w_scale,
+        bias_ptr=bias if bias is not None else w_scale, c_ptr=out, M=m, N=n, K=k, stride_cm=out.stride(0),
         HAS_BIAS=bias is not None, TMA_STORE=tma_store, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        LAYOUT=accumulator_layout(cfg.block_n), num_warps=4, enable_fp_fusion=False)
+        LAYOUT=accumulator_layout(cfg.block_n),
+    ), num_warps=4, enable_fp_fusion=False)
     return out

@@ -9,6 +9,7 @@ specializes a kernel on:
 
     constexpr parameter         its value
     tensor                      dtype, and whether the address is 16-byte aligned
+    TMA descriptor (Gluon)      dtype, block shape, shared-memory layout, padding
     int                         == 1, % 16 == 0 (just the 32-bit range for do_not_specialize)
     float                       nothing (always fp32)
     anything else (bool, None)  its value
@@ -69,6 +70,8 @@ def arg_key(v, kind):
         return _int_key(v, kind[0])
     if type(v) is float:
         return ("float",)
+    if hasattr(v, "block_shape") and hasattr(v, "layout"):  # a host TMA descriptor (Gluon): its type, not its tensor
+        return ("tensordesc", v.base.dtype, tuple(v.block_shape), v.layout, v.padding)
     return ("value", type(v), v)  # bool, None
 
 

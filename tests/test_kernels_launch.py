@@ -15,15 +15,29 @@ import torch  # noqa: E402
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
 from eightbit.kernels.launch import arg_key  # noqa: E402
 
 _BASE = torch.zeros(256)
+
+
+def _desc(rows, cols, block, dtype=torch.int8):
+    t = torch.zeros(rows, cols, dtype=dtype)
+    gdt = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16}[dtype]
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+
+# Gluon's host TMA descriptors: the kernel is specialized on dtype, block and layout, not on the tensor
+DESCRIPTORS = [_desc(64, 128, [64, 64]), _desc(300, 512, [64, 64]), _desc(64, 128, [64, 128]),
+               _desc(64, 128, [64, 32]), _desc(64, 128, [64, 64], torch.bfloat16)]
 SAMPLES = [
     _BASE, _BASE[1:], _BASE[4:], _BASE[8:], _BASE.half(), _BASE.half()[8:], _BASE.to(torch.int8),
     _BASE.to(torch.int8)[3:], _BASE.to(torch.int8)[16:],
     0, 1, 2, 3, 15, 16, 17, 32, 48, 4096, 4097, -1, -16, 2**31 - 16, 2**31, 2**32 + 16, -(2**31) - 1,
     0.5, 1.0, 3.25, True, False, None,
-]
+] + DESCRIPTORS
 
 
 def triton_spec(v, specialize, align):
@@ -45,6 +59,7 @@ def test_keys_are_not_needlessly_fine():
     assert arg_key(_BASE, kind) == arg_key(_BASE[4:], kind)
     assert arg_key(5, (False, True)) == arg_key(1, (False, True)) == arg_key(64, (False, True))
     assert arg_key(64, "const") != arg_key(128, "const")
+    assert arg_key(DESCRIPTORS[0], kind) == arg_key(DESCRIPTORS[1], kind) != arg_key(DESCRIPTORS[2], kind)
 
 
 def test_fast_launcher_reads_parameter_kinds(tmp_path):
