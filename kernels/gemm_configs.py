@@ -70,10 +70,22 @@ def gemv_config(m, n, k, num_sms=132):
 
 
 def default_config(m, n, k, num_sms=132):
-    """A sane configuration for any shape: gemv for M <= 4, narrow tiles + split-K up to M = 64, big tiles above."""
+    """A sane configuration for any shape: gemv for M <= 4, narrow tiles + split-K up to M = 64, big tiles up
+    to 256, the warp-specialized kernel from 512 (where it cannot run, int8_gemm takes dot_config instead)."""
     if m <= 4:
         return gemv_config(m, n, k, num_sms)
+    if m > 256:
+        return ws_config(m, n, num_sms)
     return dot_config(m, n, k, num_sms)
+
+
+def ws_config(m, n, num_sms=132):
+    """The warp-specialized kernel: 128 x 256 tiles when they fill every SM, else 128 x 128. On 10 shapes the
+    table does not hold (Llama-2-7B, SmolLM2, 5120-wide) this ran 1.11-2.27x faster than dot_config at M
+    512-8192 (geometric mean 1.40x; H100, docs/benchmarks/gemm.md)."""
+    if (m // 128) * (n // 256) >= num_sms:
+        return GemmConfig(128, 256, 64, group_m=8, split_k=1, num_warps=4, num_stages=6, kernel="ws")
+    return GemmConfig(128, 128, 128, group_m=8, split_k=1, num_warps=4, num_stages=4, kernel="ws")
 
 
 def dot_config(m, n, k, num_sms=132):
