@@ -196,6 +196,31 @@ def test_gemm_ws_config_falls_back_off_hopper_cpu(monkeypatch):
 
 
 @cpu
+def test_gemm_ws_host_launch_arguments_cpu(monkeypatch):
+    """The Gluon kernel's host side (it runs only on sm_90): every kernel parameter named, one program per SM
+    at most, TMA store for aligned 16-bit outputs, stores from registers otherwise, bad configs refused."""
+    from eightbit.kernels import int8_gemm_hopper as H
+
+    calls = []
+    monkeypatch.setattr(H, "_launch_kernel", lambda grid, args, **opts: calls.append((grid, args, opts)))
+    m, n, k = 300, 1040, 2048
+    xq, wq = torch.zeros(m, k, dtype=torch.int8), torch.zeros(n, k, dtype=torch.int8)
+    xs, ws = torch.ones(m, 1), torch.ones(n, 1)
+    for dtype, tma_store in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        H.launch_ws(xq, xs, wq, ws, None, torch.empty(m, n, dtype=dtype), m, n, k, WS_CONFIGS[0], 132)
+        grid, args, opts = calls[-1]
+        assert sorted(args) == sorted(H._int8_gemm_ws_kernel.arg_names)
+        assert grid == (min(132, 3 * 5),) and args["TMA_STORE"] is tma_store and opts["num_warps"] == 4
+        assert list(args["a_desc"].block_shape) == [64, 64] and list(args["b_desc"].block_shape) == [256, 64]
+    unaligned = torch.empty(m, n + 3, dtype=torch.bfloat16)[:, :n]  # row stride of 1043 elements: no TMA store
+    H.launch_ws(xq, xs, wq, ws, None, unaligned, m, n, k, WS_CONFIGS[0], 132)
+    assert calls[-1][1]["TMA_STORE"] is False
+    with pytest.raises(ValueError, match="block_m"):
+        H.launch_ws(xq, xs, wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16), m, n, k,
+                    GemmConfig(64, 256, 64, 8, 1, 4, 6, "ws"), 132)
+
+
+@cpu
 def test_gemm_default_config_and_table_lookup_cpu(poison):
     # SmolLM2-135M's o-projection shape through the public entry point (table or default config)
     g = _gen(3)
