@@ -45,7 +45,7 @@ otherwise the pointer kernel runs.
 
 Large M on an H100/H200 has a fourth kernel, written in Gluon in int8_gemm_hopper.py (config.kernel ==
 "ws"): warp-specialized, a TMA producer warp feeding two consumer warp groups that keep one int8 wgmma
-in flight; 1.10-1.36x faster than the TMA kernel at M >= 512 (docs/benchmarks/gemm.md). It needs sm_90
+in flight; 1.08-1.36x faster than the Triton kernels at M >= 512 (docs/benchmarks/gemm.md). It needs sm_90
 and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "dot" kernel runs instead.
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are

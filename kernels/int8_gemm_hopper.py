@@ -8,7 +8,7 @@ Why Gluon (Triton's lower-level dialect, where layouts, shared memory, TMA copie
 wgmma waits are written out): the Triton kernels stop at 50-67 % of the int8 tensor-core peak. Every
 warp there both issues the copies and does the math, so the whole CTA meets at a barrier several
 times per K step, and Triton's pipeliner waits for each int32-accumulating wgmma before issuing the
-next. Here three partitions of one CTA run side by side (measured 1.10-1.36x faster at M >= 1024 on an
+next. Here three partitions of one CTA run side by side (measured 1.08-1.36x faster at M >= 512 on an
 H100, docs/benchmarks/gemm.md):
 
 * a producer warp (40 registers) walks this program's tiles and K steps and fills a ring of STAGES
