@@ -5,11 +5,12 @@ accumulation, then `acc * x_scale[m] * w_scale[n] (+ bias[n])`, cast to the outp
 outputs are equal bit for bit. It runs the table's "ws" entries (config.kernel == "ws").
 
 Why Gluon (Triton's lower-level dialect, where layouts, shared memory, TMA copies, mbarriers and the
-wgmma waits are written out): the Triton kernels stop at 50-67 % of the int8 tensor-core peak. Every
-warp there both issues the copies and does the math, so the whole CTA meets at a barrier several
-times per K step, and Triton's pipeliner waits for each int32-accumulating wgmma before issuing the
-next. Here three partitions of one CTA run side by side (measured 1.08-1.36x faster at M >= 512 on an
-H100, docs/benchmarks/gemm.md):
+wgmma waits are written out): the Triton kernels stop at 50-67 % of the int8 tensor-core peak, and
+Triton's pipeliner waits for each int32-accumulating wgmma before issuing the next. Keeping one wgmma
+in flight was not enough by itself: a Gluon kernel with the Triton kernels' one-partition structure,
+where every warp both issues the copies and does the math, was no faster (its loop has four CTA-wide
+barriers per K step). Here three partitions of one CTA run side by side instead (measured 1.08-1.36x
+faster than the Triton kernels at M >= 512 on an H100, docs/benchmarks/gemm.md):
 
 * a producer warp (40 registers) walks this program's tiles and K steps and fills a ring of STAGES
   shared-memory slots by TMA: per slot two A tiles [64, BLOCK_K] (one per consumer) and one B tile
