@@ -76,19 +76,13 @@ def candidates(m):
                 C(64, 32, 256, 8, 1, 4, 4), C(64, 32, 256, 8, 2, 4, 4), C(64, 64, 256, 8, 4, 4, 4),
                 C(128, 64, 128, 8, 2, 4, 4), C(128, 32, 256, 8, 1, 4, 4), C(128, 32, 256, 8, 2, 4, 4),
                 C(64, 64, 128, 8, 2, 4, 5), C(64, 64, 128, 8, 4, 4, 5),
-                C(128, 128, 128, 8, 1, 4, 4, "tma"), C(64, 128, 128, 8, 1, 4, 4, "tma"), C(128, 64, 128, 8, 1, 4, 4, "tma"),
                 # won gate_up at M 128 and 256 (seventh session); 256-row tiles (one M tile for the whole
                 # batch) lost every shape at M = 256 by 8-76 %: there these GEMMs are bound by the MMA
                 # pipeline, not by reading the weights (docs/benchmarks/gemm.md)
                 C(128, 128, 128, 8, 1, 8, 3)] + WS_CANDIDATES[-2:]
     return WS_CANDIDATES + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
             C(128, 256, 64, 8, 1, 8, 4), C(128, 128, 64, 8, 1, 4, 5), C(128, 128, 128, 8, 1, 4, 4),
-            C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3),
-            # the persistent TMA kernel (sm_90)
-            # (128 x 256 x 128 tiles do not fit: the flattened loop keeps the next tile's loads in flight
-            # during the epilogue, so its layout-conversion buffer comes on top of the 3 stages)
-            C(256, 128, 128, 8, 1, 8, 3, "tma"), C(256, 128, 128, 16, 1, 8, 3, "tma"), C(128, 128, 128, 8, 1, 4, 4, "tma"),
-            C(128, 128, 128, 8, 1, 8, 4, "tma"), C(128, 256, 64, 8, 1, 8, 4, "tma")]
+            C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]
 
 
 def _inputs(m, n, k, device="cuda"):

@@ -36,17 +36,11 @@ program only has its loads in flight. Its split-K partials are added with int32 
 zeroed [M, N] int32 buffer (exact and order-independent), the last split to arrive (same counter
 scheme) reads the sum, zeroes the buffer again and runs the epilogue.
 
-Large M (prefill) has a third kernel, `_int8_gemm_tma_kernel` (config.kernel == "tma"): the same
-tiles and epilogue, but persistent (one program per SM walks the tiles) and fed by TMA tensor
-descriptors (the copy engine fetches whole tiles into shared memory, zero-padding the edges), with
-the tile and K loops flattened into one pipeline. On an H100 it ran 1.1-1.25x faster than the
-pointer kernel at M >= 1024 (docs/benchmarks/gemm.md). It needs sm_90 and 16-byte aligned rows (see tma_ok);
-otherwise the pointer kernel runs.
-
-Large M on an H100/H200 has a fourth kernel, written in Gluon in int8_gemm_hopper.py (config.kernel ==
+Large M on an H100/H200 has a third kernel, written in Gluon in int8_gemm_hopper.py (config.kernel ==
 "ws"): warp-specialized, a TMA producer warp feeding two consumer warp groups that keep one int8 wgmma
 in flight; 1.08-1.36x faster than the Triton kernels at M >= 512 (docs/benchmarks/gemm.md). It needs sm_90
 and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "dot" kernel runs instead.
+(It replaced a persistent TMA-fed Triton kernel, "tma", which no tuned entry chose any more.)
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
@@ -55,7 +49,6 @@ masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
@@ -160,34 +153,6 @@ def _int8_gemm_kernel(
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
             _epilogue(total, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn,
                       HAS_BIAS)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _int8_gemm_tma_kernel(
-    a_desc, b_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr,
-    M, N, K, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """Persistent tiles fed by TMA: program p of P computes tiles p, p + P, ... (grouped
-    order). The descriptors pad out-of-bounds rows and K columns with zeros, so the loop has no
-    masks; the tile loop and the K loop are flattened into one software pipeline, so the next
-    tile's first loads are in flight during this tile's epilogue."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    # the program count is read at run time: a constexpr would compile once per grid size
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for kk in range(k_tiles):
-            a = a_desc.load([off_m, kk * BLOCK_K])
-            b = b_desc.load([off_n, kk * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        _epilogue(acc, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N), M, N, xs_ptr, ws_ptr,
-                  bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
 
 
 @triton.jit
@@ -401,35 +366,6 @@ def _lock_buffer(device, n):
     return _zeroed_scratch(_locks, device, n, 1 << 16, "counters")
 
 
-def tma_ok(x_q, w_q, out):
-    """TMA descriptors need 16-byte aligned bases and row strides (K % 16 == 0 for int8) and, compiled,
-    sm_90+ (the CPU interpreter emulates them). The output rows must be 16-element aligned too: without
-    vector stores the epilogue's layout conversion needs more shared memory than sm_90 has at the big
-    tiles (the tile loads of the next tile are still in flight, so it cannot reuse theirs)."""
-    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x_q, w_q))
-    aligned = aligned and out.stride(0) % 16 == 0 and out.stride(1) == 1 and out.data_ptr() % 16 == 0
-    if interpreting():
-        return aligned
-    return aligned and x_q.device.type == "cuda" and torch.cuda.get_device_capability(x_q.device)[0] >= 9
-
-
-def _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
-    # Triton's launcher encodes the descriptors at every launch (a CUDA graph keeps the encoded
-    # values, which stay valid because a captured step's tensors do not move). Launched the
-    # plain way (FastLauncher does not key descriptors): ~20 us of argument binding per call,
-    # next to 11-20 us of GPU time at M = 512 and far more above. Prefills up to 1,024 tokens
-    # replay CUDA graphs, so the binding costs nothing there; larger eager steps are GPU-bound.
-    a_desc = TensorDescriptor.from_tensor(x_q, [cfg.block_m, cfg.block_k])
-    b_desc = TensorDescriptor.from_tensor(w_q, [cfg.block_n, cfg.block_k])
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, sm_count(x_q.device) or 4)  # CPU interpreter: 4, so programs walk several tiles
-    _int8_gemm_tma_kernel[(programs,)](
-        a_desc, b_desc, x_scale, w_scale, bias if bias is not None else w_scale, out, m, n, k,
-        out.stride(0), out.stride(1), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
-    return out
-
-
 def _ws_ok(x_q, w_q, out):
     if x_q.device.type != "cuda" or interpreting():
         return False
@@ -512,8 +448,9 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:
         raise ValueError(f"out must be a {out_dtype} [{m}, {n}] tensor on {x_q.device}")
-    if ((cfg.kernel == "gemv" and not gemv_ok(x_q, w_q)) or (cfg.kernel == "tma" and not tma_ok(x_q, w_q, out))
-            or (cfg.kernel == "ws" and not _ws_ok(x_q, w_q, out))):
+    if cfg.kernel not in ("dot", "gemv", "ws"):
+        raise ValueError(f"unknown int8_gemm kernel {cfg.kernel!r} (dot, gemv or ws)")
+    if (cfg.kernel == "gemv" and not gemv_ok(x_q, w_q)) or (cfg.kernel == "ws" and not _ws_ok(x_q, w_q, out)):
         cfg = dot_config(m, n, k)
     if m == 0 or n == 0:
         return out
@@ -522,8 +459,6 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
             (torch.zeros((m, n), device=x_q.device) + (bias.float() if bias is not None else 0.0)).to(out_dtype))
     if cfg.kernel == "gemv":
         return _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
-    if cfg.kernel == "tma":
-        return _launch_tma(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
     if cfg.kernel == "ws":
         return _launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

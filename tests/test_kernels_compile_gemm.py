@@ -21,7 +21,7 @@ def _gemm_jobs():
     from eightbit.kernels import gemm_configs as gc
 
     jobs = {(gc.GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), True), (gc.GemmConfig(8, 8, 512, 1, 2, 4, 1, "gemv"), False),
-            (gc.GemmConfig(256, 128, 128, 8, 1, 8, 3, "tma"), True), (gc.GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), True),
+            (gc.GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), True),
             (gc.GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws"), True)}
     shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
     for (mb, n, k), cfg in gc.table_entries().items():
@@ -37,7 +37,7 @@ def _compile_gemm(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from eightbit.kernels.int8_gemm import _int8_gemm_kernel, _int8_gemm_tma_kernel, _int8_gemv_kernel
+    from eightbit.kernels.int8_gemm import _int8_gemm_kernel, _int8_gemv_kernel
 
     cfg, even_k = job
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
@@ -58,25 +58,6 @@ def _compile_gemm(job):
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         return cfg.key(), even_k, k.metadata.shared, None
-    if cfg.kernel == "tma":
-        fn = _int8_gemm_tma_kernel
-        sig = {"a_desc": f"tensordesc<i8[{cfg.block_m}, {cfg.block_k}]>", "b_desc": f"tensordesc<i8[{cfg.block_n}, {cfg.block_k}]>",
-               "xs_ptr": "*fp32", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
-               "K": "i32", "stride_cm": "i32", "stride_cn": "constexpr"}
-        consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
-        for name in consts:
-            sig[name] = "constexpr"
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-                 for a in ("xs_ptr", "ws_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_cm")}
-        shared = 0
-        for out in ("*bf16", "*fp32"):  # the fp32 output (tests, tuning) needs the most shared memory
-            src = triton.compiler.ASTSource(fn=fn, signature={**sig, "c_ptr": out}, constexprs=consts, attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-            assert "wgmma.mma_async.sync.aligned" in k.asm["ptx"] and "cp.async.bulk.tensor" in k.asm["ptx"], \
-                "the TMA kernel must use wgmma and TMA loads"
-            shared = max(shared, k.metadata.shared)
-        return cfg.key(), even_k, shared, None
     if cfg.kernel == "ws":
         return _compile_ws(cfg)
     fn = _int8_gemm_kernel

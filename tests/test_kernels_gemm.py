@@ -72,10 +72,6 @@ GEMV_CONFIGS = [  # block_m = activation rows per program; block_k in bytes (a m
     GemmConfig(8, 16, 128, split_k=4, num_warps=4, num_stages=1, kernel="gemv"),
 ]
 GEMV_SHAPES = [(1, 50, 100), (3, 33, 96), (8, 40, 160), (11, 20, 64), (2, 64, 260)]
-TMA_CONFIGS = [GemmConfig(32, 32, 64, group_m=2, num_warps=4, num_stages=2, kernel="tma"),
-               GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3, kernel="tma")]
-# K and N multiples of 16 (TMA rows); more tiles than the 4 persistent programs the interpreter gets
-TMA_SHAPES = [(1, 48, 64), (70, 96, 160), (33, 32, 32), (100, 144, 96)]
 
 
 def _check_gemm_exact(device, cfg, m, n, k, seed):
@@ -114,8 +110,7 @@ def _check_gemm_ref(device, cfg, m, n, k, seed, out_dtype, with_bias, exact):
     torch.testing.assert_close(out[m // 2].float(), expect_zero_row.cpu().to(out_dtype).float())
 
 
-EXACT_CASES = ([(c, s) for c in SMALL_CONFIGS for s in SHAPES] + [(c, s) for c in GEMV_CONFIGS for s in GEMV_SHAPES]
-               + [(c, s) for c in TMA_CONFIGS for s in TMA_SHAPES])
+EXACT_CASES = ([(c, s) for c in SMALL_CONFIGS for s in SHAPES] + [(c, s) for c in GEMV_CONFIGS for s in GEMV_SHAPES])
 
 
 @cpu
@@ -161,27 +156,6 @@ def test_gemm_matches_reference_cpu(cfg, shape, out_dtype, with_bias):
                     exact=out_dtype == torch.float32)
 
 
-@cpu
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_tma_matches_reference_and_falls_back_cpu(with_bias, monkeypatch):
-    from eightbit.kernels import int8_gemm as mod
-
-    launched = []
-    real_launch = mod._launch_tma
-    monkeypatch.setattr(mod, "_launch_tma", lambda *a: launched.append(a[0].shape) or real_launch(*a))
-    _check_gemm_ref("cpu", TMA_CONFIGS[0], 37, 80, 96, seed=8, out_dtype=torch.float16, with_bias=with_bias, exact=False)
-    assert launched == [(37, 96)]
-    # rows that TMA cannot describe (K % 16 != 0, a misaligned view, N = 40 output rows) take the pointer kernel
-    g = _gen(13)
-    xq, wq = _int8((5, 168), g, "cpu"), _int8((40, 168), g, "cpu")
-    one_m, one_n = torch.ones(5, 1), torch.ones(40, 1)
-    for xk, wk in ((xq[:, :100], wq[:, :100]), (xq[:, 1:161], wq[:, 1:161]), (xq[:, :160].contiguous(),
-                                                                               wq[:, :160].contiguous())):
-        out = int8_gemm_with_config(xk, one_m, wk, one_n, None, torch.float32, TMA_CONFIGS[0])
-        assert torch.equal(out, (xk.long() @ wk.long().t()).float())
-    assert len(launched) == 1, "a shape TMA cannot describe reached the TMA kernel"
-
-
 WS_CONFIGS = [GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws")]
 
 
@@ -193,6 +167,9 @@ def test_gemm_ws_config_falls_back_off_hopper_cpu(monkeypatch):
     monkeypatch.setattr(mod, "_launch_ws", lambda *a: pytest.fail("the Gluon kernel was launched on the CPU"))
     _check_gemm_exact("cpu", WS_CONFIGS[1], 37, 80, 96, seed=8)
     _check_gemm_ref("cpu", WS_CONFIGS[0], 5, 40, 64, seed=9, out_dtype=torch.float16, with_bias=True, exact=False)
+    with pytest.raises(ValueError, match="unknown int8_gemm kernel"):  # e.g. a table from before "tma" was removed
+        int8_gemm_with_config(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), torch.zeros(16, 32, dtype=torch.int8),
+                              torch.ones(16, 1), config=GemmConfig(128, 128, 128, 8, 1, 8, 3, "tma"))
 
 
 @cpu
@@ -272,7 +249,7 @@ def test_config_table_is_well_formed():
         if cfg.kernel == "gemv":
             assert cfg.block_m in (1, 2, 4, 8) and cfg.block_k % 16 == 0 and cfg.block_n >= 8
         else:
-            assert cfg.kernel in ("dot", "tma", "ws") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
+            assert cfg.kernel in ("dot", "ws") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
             assert cfg.kernel == "dot" or cfg.split_k == 1
             assert cfg.kernel != "ws" or (cfg.block_m == 128 and cfg.num_warps == 4)
     assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(3) == 4 and gemm_configs.m_bucket(17) == 32
@@ -394,8 +371,7 @@ def test_gemm_gpu_table_shapes(nk, m):
 @needs_cuda
 @pytest.mark.parametrize("cfg", [SMALL_CONFIGS[1], GemmConfig(16, 64, 256, 1, 8, 4, 4), GemmConfig(128, 256, 128, 8, 1, 8, 3),
                                  GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), GemmConfig(4, 16, 256, 1, 3, 4, 1, "gemv"),
-                                 GemmConfig(8, 8, 512, 1, 1, 4, 1, "gemv"), GemmConfig(256, 128, 128, 8, 1, 8, 3, "tma"),
-                                 GemmConfig(128, 128, 128, 8, 1, 4, 4, "tma")],
+                                 GemmConfig(8, 8, 512, 1, 1, 4, 1, "gemv"), WS_CONFIGS[0], WS_CONFIGS[1]],
                          ids=lambda c: "x".join(map(str, c.key())))
 @pytest.mark.parametrize("shape", [(1, 50, 100), (33, 20, 32), (70, 96, 200), (64, 4096, 4096), (300, 1000, 1000),
                                    (520, 1040, 2048)], ids=str)
