@@ -41,16 +41,14 @@ GEMV_TILES = {  # M bucket -> (block_n, block_k, num_warps): <= ~64 accumulator 
 }
 
 
-def _ws_candidates():
+def ws_candidates():
     """The warp-specialized Gluon kernel (sm_90; int8_gemm_hopper.py): two 64-row consumer warp groups
-    (block_m 128, num_warps 4) under 208-213 KB of shared memory for the ring and the output tile."""
+    (block_m 128, num_warps 4) under 208-213 KB of shared memory for the ring and the output tile; the
+    last two (128 x 128 tiles) are also tried at M <= 256."""
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
     return [C(128, 256, 64, 8, 1, 4, 6, "ws"), C(128, 256, 64, 16, 1, 4, 6, "ws"), C(128, 256, 128, 8, 1, 4, 3, "ws"),
             C(128, 128, 128, 8, 1, 4, 4, "ws"), C(128, 128, 64, 8, 1, 4, 8, "ws")]
-
-
-WS_CANDIDATES = _ws_candidates()
 
 
 def candidates(m):
@@ -79,8 +77,8 @@ def candidates(m):
                 # won gate_up at M 128 and 256 (seventh session); 256-row tiles (one M tile for the whole
                 # batch) lost every shape at M = 256 by 8-76 %: there these GEMMs are bound by the MMA
                 # pipeline, not by reading the weights (docs/benchmarks/gemm.md)
-                C(128, 128, 128, 8, 1, 8, 3)] + WS_CANDIDATES[-2:]
-    return WS_CANDIDATES + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
+                C(128, 128, 128, 8, 1, 8, 3)] + ws_candidates()[-2:]
+    return ws_candidates() + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
             C(128, 256, 64, 8, 1, 8, 4), C(128, 128, 64, 8, 1, 4, 5), C(128, 128, 128, 8, 1, 4, 4),
             C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]
 

@@ -26,7 +26,7 @@ faster than the Triton kernels at M >= 512 on an H100, docs/benchmarks/gemm.md):
   fetching the next tile while the consumers run their epilogue.
 
 There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the
-Triton kernels instead (see ws_ok). A CPU test compiles this kernel for sm_90; the GPU tests compare
+Triton kernels instead (see int8_gemm._ws_ok and ws_ok). A CPU test compiles this kernel for sm_90; the GPU tests compare
 it with the exact int32 product.
 """
 
@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from eightbit.kernels.launch import FastLauncher, interpreting
+from eightbit.kernels.launch import FastLauncher
 
 ROWS_PER_CONSUMER = 64  # one wgmma row block per consumer warp group; a tile is 2 x 64 rows
 SUB_M = gl.constexpr(ROWS_PER_CONSUMER)  # the same, for the kernels
@@ -182,9 +182,10 @@ def _descriptor(t, block, dtype):
 
 
 def ws_ok(x_q, w_q, out):
-    """Compiled on sm_90 only (sm_100 has other tensor-core instructions), with TMA-legal operands:
-    16-byte aligned bases and row strides, unit stride along K."""
-    if interpreting() or x_q.device.type != "cuda" or torch.cuda.get_device_capability(x_q.device) != (9, 0):
+    """For compiled CUDA tensors (int8_gemm checks that before importing this module): sm_90 only (sm_100
+    has other tensor-core instructions), with TMA-legal operands: 16-byte aligned bases and row strides,
+    unit stride along K."""
+    if torch.cuda.get_device_capability(x_q.device) != (9, 0):
         return False
     operands = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x_q, w_q))
     return operands and out.stride(1) == 1
@@ -195,15 +196,10 @@ def _tma_store_ok(out):
             and (out.stride(0) * out.element_size()) % 16 == 0)
 
 
-_unused = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _unused_output(device, dtype):
     """A small aligned tensor standing in for the output descriptor when the epilogue stores from registers."""
-    key = (device, dtype)
-    if key not in _unused:
-        _unused[key] = torch.empty(8, 16, dtype=dtype, device=device)
-    return _unused[key]
+    return torch.empty(8, 16, dtype=dtype, device=device)
 
 
 def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms):
