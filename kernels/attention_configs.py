@@ -54,6 +54,12 @@ DECODE_MIN_TOKENS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
 
+# The warp-specialized Gluon decode kernel (decode_attention_hopper.py, int8 cache on sm_90) takes calls with
+# at least this many (sequence, kv head) pairs: from 32 x 8 on it read 1-5 points more of the copy bandwidth
+# than the Triton kernel, below (16 x 8 at 2k, 1 x 8 at 32k) 1-2 points less (H100, docs/benchmarks/attention.md,
+# ninth session).
+DECODE_WS_MIN_PROGRAMS = 256
+
 # The reduce kernel and kv_write are tiny; one setting each.
 REDUCE = dict(num_warps=4)
 # splits merged per step of the reduce loop: one step for every count the heuristic picks (the

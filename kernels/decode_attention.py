@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_configs
 from .attention_configs import REDUCE, REDUCE_CHUNK, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
 from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to
@@ -241,6 +242,12 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    if quant and _ws_ok(q, k_cache, v_cache, k_scale, group):
+        from .decode_attention_hopper import launch_ws
+
+        launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, float(softmax_scale) * LOG2E, out,
+                  part_out, part_lse, splits, group)
+        return _reduce(part_out, part_lse, out, splits)
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
     # rows of the (group-expanded, for int8) Q tile: QPK_PAD * (D / G) >= 16 for tl.dot
@@ -256,10 +263,26 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         QPK=qpk, QPK_PAD=qpk_pad, HQ=hq, HEAD_DIM=d, GROUP=group,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, COMPILED=compiled(),
     ), **cfg)
+    return _reduce(part_out, part_lse, out, splits)
+
+
+def _reduce(part_out, part_lse, out, splits):
+    """Stage 2: merge the splits' partials into out (nothing to do for one split)."""
     if splits > 1:
+        bsz, hq, d = out.shape
         _launch_reduce((bsz, hq), dict(
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
             stride_ob=out.stride(0), stride_oh=out.stride(1),
             HQ=hq, HEAD_DIM=d, CHUNK=REDUCE_CHUNK,
         ), **REDUCE)
     return out
+
+
+def _ws_ok(q, k_cache, v_cache, k_scale, group):
+    """Whether the warp-specialized Hopper kernel (decode_attention_hopper.py) takes this call: compiled CUDA
+    tensors, enough (sequence, kv head) pairs (attention_configs.DECODE_WS_MIN_PROGRAMS), and what ws_ok asks."""
+    if not q.is_cuda or not compiled() or q.shape[0] * k_cache.shape[2] < attention_configs.DECODE_WS_MIN_PROGRAMS:
+        return False
+    from .decode_attention_hopper import ws_ok
+
+    return ws_ok(q, k_cache, v_cache, k_scale, group)

@@ -487,6 +487,33 @@ def test_gpu_decode_bf16_cuda_graph(cache, d, hq, hkv):
 
 
 @gpu
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, splits):
+    """The warp-specialized Gluon kernel (forced on at any batch): FlashAttention's rule against float64,
+    a padded slot (seq_len 0) gives zeros, and its output is within a float16 rounding of the Triton kernel's."""
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels import decode_attention_hopper as H
+
+    seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1)]
+    sc = Scenario(seqs, hq, hkv, 128, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
+    q = torch.randn(len(seqs), hq, 128, device="cuda", dtype=torch.bfloat16)
+    args = (*sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5)
+    assert H.ws_ok(q, sc.caches[0], sc.caches[1], sc.caches[2], 32)
+    monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
+    ws = decode_attention_splits(q, *args, splits)
+    _check_fa_rule(ws, q, sc, 128 ** -0.5)
+    monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 1 << 30)
+    triton_out = decode_attention_splits(q, *args, splits)
+    torch.testing.assert_close(ws.float(), triton_out.float(), rtol=0.02, atol=0.01)
+    monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
+    sc.seq_lens[3] = 0
+    padded = decode_attention_splits(q, *args, splits)
+    assert (padded[3] == 0).all()
+    torch.testing.assert_close(padded[4:], ws[4:], rtol=0, atol=0)
+
+
+@gpu
 @pytest.mark.parametrize("q_mult,k_mult,v_mult", [(30.0, 40.0, 1e-3), (1.0, 3000.0, 3000.0), (1e4, 1e-3, 1.0)])
 def test_gpu_int8_attention_float16_range(q_mult, k_mult, v_mult):
     """The int8 cache is read in float16 (q scaled by a power of two): tiny values, values near the

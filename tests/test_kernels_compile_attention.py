@@ -118,3 +118,58 @@ def test_attention_kernels_compile_for_sm90(which):
             assert r["ptx_has_mma"], f"{r['name']}: no tensor-core instructions in the PTX"
             # int8 tiles must move by vector copies: byte loads mean a lost contiguity hint or layout
             assert r["byte_loads"] == 0, f"{r['name']}: {r['byte_loads']} single-byte loads in the PTX"
+
+
+WS_SCRIPT = textwrap.dedent(
+    r"""
+    import json, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    from eightbit.kernels import decode_attention_hopper as H
+
+    def desc(shape, block):
+        t = torch.zeros(*shape, dtype=torch.int8)
+        return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.int8)))
+
+    fn = H._decode_ws_kernel
+    results = []
+    for split in (False, True):
+        sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+               "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": desc([64 * 8, 128, 16], [1, 128, 16]),
+               "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+               "qk_scale": "fp32"}
+        sig.update({a: "i32" for a in fn.arg_names if a not in sig})
+        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, KW=H.KW)
+        sig.update({n: "constexpr" for n in consts})
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+                 for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
+                           "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_sb")}
+        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
+        ptx = k.asm["ptx"]
+        results.append(dict(split=split, shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+                            mma=ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
+                            tma=ptx.count("cp.async.bulk.tensor.3d"), scale_copies=ptx.count("cp.async.ca.shared.global"),
+                            async_arrive=ptx.count("cp.async.mbarrier.arrive.shared.b64"),
+                            setmaxnreg=ptx.count("setmaxnreg"), byte_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.v2.b8")))
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_decode_ws_kernel_compiles_for_sm90():
+    """The Gluon decode kernel (no CPU interpreter exists for Gluon): float16 tensor-core mma, TMA page copies,
+    8-byte cp.async scale copies that arrive on the ring's barrier, warp specialization, int8 operands read as
+    32-bit words (not bytes), and shared memory for two programs per multiprocessor."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", WS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
+    for r in json.loads(line[len("RESULTS "):]):
+        assert r["cubin"] > 0 and r["mma"] > 0 and r["tma"] > 0 and r["setmaxnreg"] > 0, r
+        assert r["scale_copies"] > 0 and r["async_arrive"] > 0, r
+        assert r["byte_loads"] <= 1, r  # one scalar byte load outside the loop is Triton's; the tiles are words
+        assert 2 * r["shared"] <= HOPPER_SMEM, r

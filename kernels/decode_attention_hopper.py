@@ -1,0 +1,310 @@
+"""The Hopper (sm_90) kernel of decode_attention over an int8 cache: warp-specialized, written in Gluon.
+
+Same contract, grid and split rule as the Triton kernel in decode_attention.py (one program per kv head,
+sequence and context split; the partials go to the same merge kernel), a different inner structure:
+
+* a producer warp walks the program's keys in tiles of CONSUMERS pages and fills a ring of STAGES
+  shared-memory slots: each page's K ([page, D], token-major) and V ([D, page], key-minor) by TMA, one
+  copy each, and the tile's K and V group scales by cp.async (8 bytes per key: too narrow for TMA).
+  It waits on the slot's `empty` barrier; the copies complete its `ready` barrier;
+* a partition of CONSUMERS (4) warps does the math; every tensor there has a leading "warp" axis and warp w
+  takes page w of each tile with its own online softmax, so nothing crosses warps until the end (one
+  barrier per tile, before the slot goes back). Each warp runs the Triton kernel's math on mma.sync
+  tensor cores: the group-expanded Q tile (row (r, g) = query head r's group g), the page's K converted
+  exactly from int8 to float16, per-group partial scores scaled and summed, P scaled by the V group
+  scales, V converted the same way;
+* at the end the warps' (max, sum, output) are merged and the output written, or the split's normalized
+  partial and log-sum-exp for the merge kernel.
+
+Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth session) it reads 1-5
+points more of the copy bandwidth from 32 (sequence, kv head) x 8 on and 1-2 points less below, so
+decode_attention takes it from attention_configs.DECODE_WS_MIN_PROGRAMS pairs on. Gluon has no CPU
+interpreter: on the CPU, on other GPUs and for shapes ws_ok rejects, the Triton kernel runs. A CPU test
+compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule and to the Triton kernel.
+"""
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from eightbit.kernels.launch import FastLauncher
+
+CONSUMERS = gl.constexpr(4)
+PRODUCER_REGS = gl.constexpr(40)
+# mma.sync m16n8k16 with one warp per index of the leading axis (each warp owns one page of a tile)
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+
+
+@gluon.jit
+def _i8_to_f16(x):
+    """int8 -> float16, exact: four values in five instructions (see prefill_attention.i8_to)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, hi, c;
+        xor.b32 t, $2, 0x80808080;
+        mov.b32 hi, 0x64646464;
+        mov.b32 c, 0x64806480;
+        prmt.b32 $0, t, hi, 0x5140;
+        prmt.b32 $1, t, hi, 0x7362;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=gl.float16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _key_range(seq_lens_ptr, b, split, num_splits, TILE: gl.constexpr):
+    """This program's keys [start, end): the Triton kernel's rule, with splits rounded to whole tiles."""
+    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+    per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
+    start = split * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    return start, end
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, k_bufs, v_bufs,
+              ks_bufs, vs_bufs, ready, empty, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
+              HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr):
+    PAGE: gl.constexpr = k_desc.block_type.shape[1]
+    D: gl.constexpr = k_desc.block_type.shape[2]
+    TILE: gl.constexpr = CONSUMERS * PAGE
+    kvh = gl.program_id(0)
+    b = gl.program_id(1).to(gl.int64)
+    start, end = _key_range(seq_lens_ptr, b, gl.program_id(2), num_splits, TILE)
+    bt_row = block_tables_ptr + b * stride_bt
+    # the tile's scales [CONSUMERS, PAGE, NG]: a thread copies one key's NG scales (8 bytes for NG = 4)
+    sl: gl.constexpr = gl.BlockedLayout([1, 1, NG], [2, 16, 1], [1, 1, 1], [2, 1, 0])
+    keys_2d = gl.expand_dims(gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sl))) * PAGE, 1) + \
+        gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(2, sl))), 0)
+    keys_3d = gl.expand_dims(keys_2d, 2)
+    groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
+    nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    for it in range(gl.cdiv(end - start, TILE)):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        tile_start = start + it * TILE
+        keys = tile_start + keys_3d
+        s_live = keys < end
+        blk = gl.load(bt_row + keys // PAGE, mask=s_live, other=0).to(gl.int64)
+        s_off = gl.multiple_of(blk * stride_sb + (keys % PAGE) * stride_sp + kvh * stride_sh, [1, 1, NG]) + groups
+        s_ptrs = gl.max_contiguous(gl.multiple_of(s_off, [1, 1, NG]), [1, 1, NG])  # strides are multiples of NG
+        async_copy.async_copy_global_to_shared(ks_bufs.index(slot), k_scale_ptr + s_ptrs, mask=s_live)
+        async_copy.async_copy_global_to_shared(vs_bufs.index(slot), v_scale_ptr + s_ptrs, mask=s_live)
+        async_copy.mbarrier_arrive(bar)  # keys past the end get scale 0 (masked copies write zeros)
+        mbarrier.expect(bar, nbytes)
+        for p in gl.static_range(CONSUMERS):
+            page_start = tile_start + p * PAGE
+            pblk = gl.load(bt_row + page_start // PAGE, mask=page_start < end, other=0)
+            tma.async_copy_global_to_shared(k_desc, [pblk, 0, kvh * D], bar, k_bufs.index(slot).slice(p, 1))
+            tma.async_copy_global_to_shared(v_desc, [pblk * HKV + kvh, 0, 0], bar, v_bufs.index(slot).slice(p, 1))
+
+
+@gluon.jit
+def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
+              seq_lens_ptr, qk_scale, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+              QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT: gl.constexpr, KW: gl.constexpr):
+    """CONSUMERS warps; every tensor's leading axis is the warp (warp w owns page w of each tile), so
+    everything but the final merge stays inside one warp."""
+    PAGE: gl.constexpr = k_bufs.shape[2]
+    D: gl.constexpr = k_bufs.shape[3]
+    GROUP: gl.constexpr = D // NG
+    ROWS: gl.constexpr = QPK_PAD * NG
+    W: gl.constexpr = CONSUMERS
+    TILE: gl.constexpr = W * PAGE
+    kvh = gl.program_id(0)
+    b = gl.program_id(1).to(gl.int64)
+    split = gl.program_id(2)
+    start, end = _key_range(seq_lens_ptr, b, split, num_splits, TILE)
+
+    # the group-expanded Q tile as the QK dot's A operand (one copy per warp), float16 divided by a
+    # power of two above |q| (exact, in range), which qk_scale takes back
+    qa: gl.constexpr = gl.DotOperandLayout(0, MMA, KW)
+    ri = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(0, qa)))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, qa)))
+    ri2 = gl.expand_dims(ri, 1)
+    cols2 = gl.expand_dims(cols, 0)
+    q_mask = (ri2 // NG < QPK) & (cols2 // GROUP == ri2 % NG)
+    q_off = gl.expand_dims((kvh * QPK + ri2 // NG) * stride_qh + cols2, 0)  # [1, ROWS, D]
+    w_idx = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, qa)))
+    q_off = q_off + gl.expand_dims(gl.expand_dims(w_idx * 0, 1), 2)  # [W, ROWS, D]
+    q = gl.load(q_ptr + b * stride_qb + q_off, mask=gl.expand_dims(q_mask, 0), other=0.0).to(gl.float32)
+    amax = gl.max(gl.max(gl.max(gl.abs(q), 2), 1), 0)
+    unit = (amax.to(gl.int32, bitcast=True) & 0x7F800000).to(gl.float32, bitcast=True) * 2.0
+    unit = gl.where(unit > 0, unit, 1.0)
+    q = (q / unit).to(gl.float16)
+    qk_scale = qk_scale * unit
+
+    # layouts of the per-group partial scores [W, QPK_PAD, NG, PAGE] and the scores [W, QPK_PAD, PAGE]
+    l4: gl.constexpr = gl.reshape(gl.zeros([W, ROWS, PAGE], gl.float32, MMA), [W, QPK_PAD, NG, PAGE]).type.layout
+    qk_l: gl.constexpr = gl.SliceLayout(2, l4)
+    row_l: gl.constexpr = gl.SliceLayout(2, qk_l)
+    m_i = gl.full([W, QPK_PAD], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([W, QPK_PAD], gl.float32, row_l)
+    acc = gl.zeros([W, ROWS, D], gl.float32, MMA)
+    a4l: gl.constexpr = gl.reshape(acc, [W, QPK_PAD, NG, D]).type.layout
+    page_keys = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(1, qk_l))) * PAGE, 1) + \
+        gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(1, qk_l))), 0)  # [W, PAGE]
+    for it in range(gl.cdiv(end - start, TILE)):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        k = k_bufs.index(slot).permute((0, 2, 1)).load(gl.DotOperandLayout(1, MMA, KW))  # [W, D, PAGE] int8
+        part = mma_v2(q, _i8_to_f16(k), gl.zeros([W, ROWS, PAGE], gl.float32, MMA))
+        part4 = gl.convert_layout(gl.reshape(part, [W, QPK_PAD, NG, PAGE]), l4)
+        sk = ks_bufs.index(slot).permute((0, 2, 1)).load(gl.SliceLayout(1, l4))  # [W, NG, PAGE]
+        sv = vs_bufs.index(slot).permute((0, 2, 1)).load(gl.SliceLayout(1, l4))
+        qk = gl.sum(part4 * gl.expand_dims(sk.to(gl.float32) * qk_scale, 1), 2)  # [W, QPK_PAD, PAGE]
+        live = (start + it * TILE + page_keys) < end
+        qk = gl.where(gl.expand_dims(live, 1), qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 2))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp whose keys all lie past the end
+        p = gl.exp2(qk - gl.expand_dims(m_ref, 2))
+        alpha = gl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + gl.sum(p, 2)
+        m_i = m_new
+        px = gl.reshape(gl.expand_dims(p, 2) * gl.expand_dims(sv.to(gl.float32), 1), [W, ROWS, PAGE])
+        acc4 = gl.convert_layout(gl.reshape(acc, [W, QPK_PAD, NG, D]), a4l)
+        a4 = gl.convert_layout(alpha, gl.SliceLayout(2, gl.SliceLayout(3, a4l)))
+        acc = gl.convert_layout(gl.reshape(acc4 * gl.expand_dims(gl.expand_dims(a4, 2), 3), [W, ROWS, D]), MMA)
+        v = v_bufs.index(slot).permute((0, 2, 1)).load(gl.DotOperandLayout(1, MMA, KW))  # [W, PAGE, D]
+        pa = gl.convert_layout(px.to(gl.float16), gl.DotOperandLayout(0, MMA, KW))
+        acc = mma_v2(pa, _i8_to_f16(v), acc)
+        gl.thread_barrier()  # every warp has read the slot before it goes back to the producer
+        mbarrier.arrive(empty.index(slot))
+
+    # row (r, g) of acc is valid at group g's columns only
+    acc4 = gl.convert_layout(gl.reshape(acc, [W, QPK_PAD, NG, D]), a4l)
+    g_idx = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, a4l))))
+    c_idx = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, a4l))))
+    g4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(g_idx, 0), 1), 3)
+    c4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(c_idx // GROUP, 0), 1), 2)
+    o = gl.sum(gl.where(g4 == c4, acc4, 0.0), 2)  # [W, QPK_PAD, D]
+    _merge_store(o, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, num_splits, stride_ob, stride_oh,
+                 QPK, QPK_PAD, HQ, D, SPLIT)
+
+
+@gluon.jit
+def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, num_splits, stride_ob, stride_oh,
+                 QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, SPLIT: gl.constexpr):
+    """Merge the warps' softmax states (o [W, QPK_PAD, D] unnormalized, m and l [W, QPK_PAD]) and write the
+    output, or the split's normalized partial and log-sum-exp for the merge kernel."""
+    ol: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])
+    o = gl.convert_layout(o, ol)
+    m = gl.convert_layout(m, gl.SliceLayout(2, ol))
+    l = gl.convert_layout(l, gl.SliceLayout(2, ol))
+    m_all = gl.max(m, 0)
+    m_ref = gl.where(m_all == float("-inf"), 0.0, m_all)
+    w = gl.exp2(m - gl.expand_dims(m_ref, 0))  # a warp without keys (m = -inf) weighs 0
+    l_sum = gl.sum(l * w, 0)
+    acc = gl.sum(o * gl.expand_dims(w, 2), 0)  # [QPK_PAD, D]
+    row_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    l_sum = gl.convert_layout(l_sum, row_l)
+    nonempty = l_sum > 0
+    l_safe = gl.where(nonempty, l_sum, 1.0)
+    res = acc / gl.expand_dims(l_safe, 1)
+    rows = gl.arange(0, QPK_PAD, layout=row_l)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
+    heads = kvh * QPK + rows
+    row_ok = gl.expand_dims(rows < QPK, 1)
+    if not SPLIT:
+        gl.store(out_ptr + b * stride_ob + gl.expand_dims(heads * stride_oh, 1) + gl.expand_dims(cols, 0),
+                 res.to(out_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        row_base = (b * HQ + heads) * num_splits + split
+        gl.store(part_out_ptr + gl.expand_dims(row_base * D, 1) + gl.expand_dims(cols, 0), res, mask=row_ok)
+        lse = gl.where(nonempty, gl.convert_layout(m_all, row_l) + gl.log2(l_safe), float("-inf"))
+        gl.store(part_lse_ptr + row_base, lse, mask=rows < QPK)
+
+
+@gluon.jit(do_not_specialize=["num_splits", "stride_bt"],
+           do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])  # see decode_attention._decode_kernel
+def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr,
+                      block_tables_ptr, seq_lens_ptr, qk_scale, num_splits,
+                      stride_qb, stride_qh, stride_ob, stride_oh, stride_sb, stride_sp, stride_sh, stride_bt,
+                      QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                      NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr):
+    PAGE: gl.constexpr = k_desc.block_type.shape[1]
+    D: gl.constexpr = k_desc.block_type.shape[2]
+    # [slot, consumer, ...]; a layout describes one slot
+    k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, CONSUMERS, PAGE, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, CONSUMERS, D, PAGE], v_desc.layout)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    ks_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, CONSUMERS, PAGE, NG], plain)
+    vs_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, CONSUMERS, PAGE, NG], plain)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
+                     seq_lens_ptr, qk_scale, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+                     QPK, QPK_PAD, HQ, NG, STAGES, SPLIT, KW)),
+        (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, k_bufs, v_bufs,
+                     ks_bufs, vs_bufs, ready, empty, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
+                     HKV, NG, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+_launch_kernel = FastLauncher(_decode_ws_kernel)
+
+# Launch settings (GPU A/B in docs/benchmarks/attention.md, ninth session): slots in the ring, and the register
+# cap at launch. Triton pads the producer warp to a warp group, so a program holds 8 warps' registers; at 104
+# per thread two programs share an SM and the consumers get 184 (no spills). A cap of 80 (3 programs per SM,
+# consumers at 136) spilled and read 5-20 points less; 4 slots instead of 2 changed nothing.
+STAGES = 2
+MAXNREG = 104
+KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
+
+
+def ws_ok(q, k_cache, v_cache, k_scale, group):
+    """For compiled CUDA tensors over an int8 cache that decode_attention has checked: sm_90, a page of at
+    least 16 keys (V's TMA rows are one page of bytes), 16-byte aligned bases, and NG * QPK_PAD == 16 (one
+    mma row block)."""
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    _, page, hkv, d = k_cache.shape
+    ng = d // group
+    qpk = q.shape[1] // hkv
+    rows = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng)) * ng
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, k_scale))
+    return (16 <= page <= 256 and d <= 256 and ng in (2, 4, 8) and rows == 16 and aligned
+            and k_cache.is_contiguous() and k_scale.is_contiguous())
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(block):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.int8)
+
+
+def _descriptor(t, block):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(tuple(block)))
+
+
+def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_scale, out, part_out, part_lse,
+              splits, group):
+    nblk, page, hkv, d = k_cache.shape
+    bsz, hq, _ = q.shape
+    qpk = hq // hkv
+    ng = d // group
+    k3 = k_cache.view(nblk, page, hkv * d)
+    v3 = v_cache.view(nblk * hkv, d, page)
+    _launch_kernel((hkv, bsz, splits), dict(
+        q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
+        k_desc=_descriptor(k3, (1, page, d)), v_desc=_descriptor(v3, (1, d, page)),
+        k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
+        qk_scale=qk_scale, num_splits=splits,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
+        stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
+        stride_bt=block_tables.stride(0),
+        QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1, KW=KW,
+    ), num_warps=4, maxnreg=MAXNREG)
+    return out
