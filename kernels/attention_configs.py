@@ -55,10 +55,11 @@ DECODE_MAX_SPLITS = 128
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
 
 # The warp-specialized Gluon decode kernel (decode_attention_hopper.py, int8 cache on sm_90) takes calls with
-# at least this many (sequence, kv head) pairs: from 32 x 8 on it read 1-5 points more of the copy bandwidth
-# than the Triton kernel, below (16 x 8 at 2k, 1 x 8 at 32k) 1-2 points less (H100, docs/benchmarks/attention.md,
-# ninth session).
-DECODE_WS_MIN_PROGRAMS = 256
+# at least this many (sequence, kv head) pairs. With the engine's mixed context lengths (block tables 512
+# wide) it read 4-12 points more of the copy bandwidth than the Triton kernel from 16 x 8 pairs on (16: 40 vs
+# 36 %, 256: 75 vs 67 %); at uniform 2k contexts it is 1-2 points behind at 8-16 x 8 and ahead from 32 x 8
+# (H100, docs/benchmarks/attention.md, ninth session). Batch 1 keeps the Triton kernel.
+DECODE_WS_MIN_PROGRAMS = 128
 
 # The reduce kernel and kv_write are tiny; one setting each.
 REDUCE = dict(num_warps=4)

@@ -1,24 +1,27 @@
 """The Hopper (sm_90) kernel of decode_attention over an int8 cache: warp-specialized, written in Gluon.
 
-Same contract, grid and split rule as the Triton kernel in decode_attention.py (one program per kv head,
-sequence and context split; the partials go to the same merge kernel), a different inner structure:
+Same contract and split rule as the Triton kernel in decode_attention.py (the partials go to the same merge
+kernel), a different structure. The work items are the Triton kernel's programs — (kv head, sequence, context
+split) — and a grid of PROGRAMS_PER_SM programs per SM walks them, each program every grid-th item:
 
-* a producer warp walks the program's keys in tiles of CONSUMERS pages and fills a ring of STAGES
+* a producer warp walks the items' keys in tiles of CONSUMERS pages and fills a ring of STAGES
   shared-memory slots: each page's K ([page, D], token-major) and V ([D, page], key-minor) by TMA, one
   copy each, and the tile's K and V group scales by cp.async (8 bytes per key: too narrow for TMA).
-  It waits on the slot's `empty` barrier; the copies complete its `ready` barrier;
+  It waits on the slot's `empty` barrier; the copies complete its `ready` barrier. The ring runs on
+  across items, so the next item's pages load while the math warps finish one;
 * a partition of CONSUMERS (4) warps does the math; every tensor there has a leading "warp" axis and warp w
   takes page w of each tile with its own online softmax, so nothing crosses warps until the end (one
   barrier per tile, before the slot goes back). Each warp runs the Triton kernel's math on mma.sync
   tensor cores: the group-expanded Q tile (row (r, g) = query head r's group g), the page's K converted
   exactly from int8 to float16, per-group partial scores scaled and summed, P scaled by the V group
   scales, V converted the same way;
-* at the end the warps' (max, sum, output) are merged and the output written, or the split's normalized
-  partial and log-sum-exp for the merge kernel.
+* at the end of an item the warps' (max, sum, output) are merged and the output written, or the split's
+  normalized partial and log-sum-exp for the merge kernel.
 
-Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth session) it reads 1-5
-points more of the copy bandwidth from 32 (sequence, kv head) x 8 on and 1-2 points less below, so
-decode_attention takes it from attention_configs.DECODE_WS_MIN_PROGRAMS pairs on. Gluon has no CPU
+Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth session) it reads up to 5
+points more of the copy bandwidth at uniform contexts from 32 (sequence, kv head) x 8 on, 4-12 points more
+with the engine's mixed lengths, and 1-2 points less at uniform contexts below, so decode_attention takes it
+from attention_configs.DECODE_WS_MIN_PROGRAMS pairs on. Gluon has no CPU
 interpreter: on the CPU, on other GPUs and for shapes ws_ok rejects, the Triton kernel runs. A CPU test
 compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule and to the Triton kernel.
 """
@@ -33,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.launch import FastLauncher, sm_count
 
 CONSUMERS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(40)
@@ -59,26 +62,26 @@ def _i8_to_f16(x):
 
 
 @gluon.jit
-def _key_range(seq_lens_ptr, b, split, num_splits, TILE: gl.constexpr):
-    """This program's keys [start, end): the Triton kernel's rule, with splits rounded to whole tiles."""
+def _work_item(item, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr):
+    """Work item -> (kv head, sequence, split, first key, end key), in the Triton kernel's grid order (kv head
+    fastest) and with its split rule, splits rounded to whole tiles."""
+    kvh = item % HKV
+    b = ((item // HKV) % batch).to(gl.int64)
+    split = item // (HKV * batch)
     seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
     per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
     start = split * per_split
     end = gl.minimum(start + per_split, seq_len)
-    return start, end
+    return kvh, b, split, start, end
 
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, k_bufs, v_bufs,
-              ks_bufs, vs_bufs, ready, empty, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
+              ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
               HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     TILE: gl.constexpr = CONSUMERS * PAGE
-    kvh = gl.program_id(0)
-    b = gl.program_id(1).to(gl.int64)
-    start, end = _key_range(seq_lens_ptr, b, gl.program_id(2), num_splits, TILE)
-    bt_row = block_tables_ptr + b * stride_bt
     # the tile's scales [CONSUMERS, PAGE, NG]: a thread copies one key's NG scales (8 bytes for NG = 4)
     sl: gl.constexpr = gl.BlockedLayout([1, 1, NG], [2, 16, 1], [1, 1, 1], [2, 1, 0])
     keys_2d = gl.expand_dims(gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sl))) * PAGE, 1) + \
@@ -86,45 +89,59 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
     keys_3d = gl.expand_dims(keys_2d, 2)
     groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    for it in range(gl.cdiv(end - start, TILE)):
-        slot = it % STAGES
-        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        tile_start = start + it * TILE
-        keys = tile_start + keys_3d
-        s_live = keys < end
-        blk = gl.load(bt_row + keys // PAGE, mask=s_live, other=0).to(gl.int64)
-        s_off = gl.multiple_of(blk * stride_sb + (keys % PAGE) * stride_sp + kvh * stride_sh, [1, 1, NG]) + groups
-        s_ptrs = gl.max_contiguous(gl.multiple_of(s_off, [1, 1, NG]), [1, 1, NG])  # strides are multiples of NG
-        async_copy.async_copy_global_to_shared(ks_bufs.index(slot), k_scale_ptr + s_ptrs, mask=s_live)
-        async_copy.async_copy_global_to_shared(vs_bufs.index(slot), v_scale_ptr + s_ptrs, mask=s_live)
-        async_copy.mbarrier_arrive(bar)  # keys past the end get scale 0 (masked copies write zeros)
-        mbarrier.expect(bar, nbytes)
-        for p in gl.static_range(CONSUMERS):
-            page_start = tile_start + p * PAGE
-            pblk = gl.load(bt_row + page_start // PAGE, mask=page_start < end, other=0)
-            tma.async_copy_global_to_shared(k_desc, [pblk, 0, kvh * D], bar, k_bufs.index(slot).slice(p, 1))
-            tma.async_copy_global_to_shared(v_desc, [pblk * HKV + kvh, 0, 0], bar, v_bufs.index(slot).slice(p, 1))
+    it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
+    for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
+        kvh, b, split, start, end = _work_item(item, seq_lens_ptr, batch, num_splits, HKV, TILE)
+        bt_row = block_tables_ptr + b * stride_bt
+        for tile_start in range(start, end, TILE):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            keys = tile_start + keys_3d
+            s_live = keys < end
+            blk = gl.load(bt_row + keys // PAGE, mask=s_live, other=0).to(gl.int64)
+            s_off = gl.multiple_of(blk * stride_sb + (keys % PAGE) * stride_sp + kvh * stride_sh, [1, 1, NG]) + groups
+            s_ptrs = gl.max_contiguous(gl.multiple_of(s_off, [1, 1, NG]), [1, 1, NG])  # strides are multiples of NG
+            async_copy.async_copy_global_to_shared(ks_bufs.index(slot), k_scale_ptr + s_ptrs, mask=s_live)
+            async_copy.async_copy_global_to_shared(vs_bufs.index(slot), v_scale_ptr + s_ptrs, mask=s_live)
+            async_copy.mbarrier_arrive(bar)  # keys past the end get scale 0 (masked copies write zeros)
+            mbarrier.expect(bar, nbytes)
+            for p in gl.static_range(CONSUMERS):
+                page_start = tile_start + p * PAGE
+                pblk = gl.load(bt_row + page_start // PAGE, mask=page_start < end, other=0)
+                tma.async_copy_global_to_shared(k_desc, [pblk, 0, kvh * D], bar, k_bufs.index(slot).slice(p, 1))
+                tma.async_copy_global_to_shared(v_desc, [pblk * HKV + kvh, 0, 0], bar, v_bufs.index(slot).slice(p, 1))
+            it += 1
 
 
 @gluon.jit
 def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-              seq_lens_ptr, qk_scale, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
-              QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr, KW: gl.constexpr):
-    """CONSUMERS warps; every tensor's leading axis is the warp (warp w owns page w of each tile), so
-    everything but the final merge stays inside one warp."""
+              seq_lens_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+              QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, NG: gl.constexpr,
+              STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr):
+    """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
+    (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
+    TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
+    it = 0
+    for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
+        kvh, b, split, start, end = _work_item(item, seq_lens_ptr, batch, num_splits, HKV, TILE)
+        it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr,
+                           part_lse_ptr, qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb, stride_qh,
+                           stride_ob, stride_oh, QPK, QPK_PAD, HQ, NG, STAGES, SPLIT, KW)
+
+
+@gluon.jit
+def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
+                  qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+                  QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr,
+                  SPLIT: gl.constexpr, KW: gl.constexpr):
+    """One work item's keys, tiles it, it + 1, ... of the ring; returns the ring position after them."""
     PAGE: gl.constexpr = k_bufs.shape[2]
     D: gl.constexpr = k_bufs.shape[3]
     GROUP: gl.constexpr = D // NG
     ROWS: gl.constexpr = QPK_PAD * NG
     W: gl.constexpr = CONSUMERS
     TILE: gl.constexpr = W * PAGE
-    kvh = gl.program_id(0)
-    b = gl.program_id(1).to(gl.int64)
-    split = gl.program_id(2)
-    start, end = _key_range(seq_lens_ptr, b, split, num_splits, TILE)
-
     # the group-expanded Q tile as the QK dot's A operand (one copy per warp), float16 divided by a
     # power of two above |q| (exact, in range), which qk_scale takes back
     qa: gl.constexpr = gl.DotOperandLayout(0, MMA, KW)
@@ -153,7 +170,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     a4l: gl.constexpr = gl.reshape(acc, [W, QPK_PAD, NG, D]).type.layout
     page_keys = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(1, qk_l))) * PAGE, 1) + \
         gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(1, qk_l))), 0)  # [W, PAGE]
-    for it in range(gl.cdiv(end - start, TILE)):
+    for tile_start in range(start, end, TILE):
         slot = it % STAGES
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
         k = k_bufs.index(slot).permute((0, 2, 1)).load(gl.DotOperandLayout(1, MMA, KW))  # [W, D, PAGE] int8
@@ -162,7 +179,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
         sk = ks_bufs.index(slot).permute((0, 2, 1)).load(gl.SliceLayout(1, l4))  # [W, NG, PAGE]
         sv = vs_bufs.index(slot).permute((0, 2, 1)).load(gl.SliceLayout(1, l4))
         qk = gl.sum(part4 * gl.expand_dims(sk.to(gl.float32) * qk_scale, 1), 2)  # [W, QPK_PAD, PAGE]
-        live = (start + it * TILE + page_keys) < end
+        live = (tile_start + page_keys) < end
         qk = gl.where(gl.expand_dims(live, 1), qk, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 2))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp whose keys all lie past the end
@@ -179,6 +196,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
         acc = mma_v2(pa, _i8_to_f16(v), acc)
         gl.thread_barrier()  # every warp has read the slot before it goes back to the producer
         mbarrier.arrive(empty.index(slot))
+        it += 1
 
     # row (r, g) of acc is valid at group g's columns only
     acc4 = gl.convert_layout(gl.reshape(acc, [W, QPK_PAD, NG, D]), a4l)
@@ -189,6 +207,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     o = gl.sum(gl.where(g4 == c4, acc4, 0.0), 2)  # [W, QPK_PAD, D]
     _merge_store(o, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, num_splits, stride_ob, stride_oh,
                  QPK, QPK_PAD, HQ, D, SPLIT)
+    return it
 
 
 @gluon.jit
@@ -224,10 +243,10 @@ def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, nu
         gl.store(part_lse_ptr + row_base, lse, mask=rows < QPK)
 
 
-@gluon.jit(do_not_specialize=["num_splits", "stride_bt"],
+@gluon.jit(do_not_specialize=["batch", "num_splits", "stride_bt"],
            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])  # see decode_attention._decode_kernel
 def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr,
-                      block_tables_ptr, seq_lens_ptr, qk_scale, num_splits,
+                      block_tables_ptr, seq_lens_ptr, qk_scale, batch, num_splits,
                       stride_qb, stride_qh, stride_ob, stride_oh, stride_sb, stride_sp, stride_sh, stride_bt,
                       QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                       NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr):
@@ -246,10 +265,10 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-                     seq_lens_ptr, qk_scale, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
-                     QPK, QPK_PAD, HQ, NG, STAGES, SPLIT, KW)),
+                     seq_lens_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+                     QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, KW)),
         (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, k_bufs, v_bufs,
-                     ks_bufs, vs_bufs, ready, empty, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
+                     ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
                      HKV, NG, STAGES)),
     ], [1], [PRODUCER_REGS])
 
@@ -262,6 +281,11 @@ _launch_kernel = FastLauncher(_decode_ws_kernel)
 # consumers at 136) spilled and read 5-20 points less; 4 slots instead of 2 changed nothing.
 STAGES = 2
 MAXNREG = 104
+# Programs per SM in the grid (None: one per work item). Two are resident at a time; each walks every
+# grid-th work item, its producer running ahead into the next item while the math warps finish one. With
+# the engine's mixed context lengths 8 balanced like one program per item (the hardware hands out programs
+# as SMs free up) and kept the persistent grid's gain at short uniform contexts (attention.md, ninth session).
+PROGRAMS_PER_SM = 8
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 
 
@@ -297,11 +321,13 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
     ng = d // group
     k3 = k_cache.view(nblk, page, hkv * d)
     v3 = v_cache.view(nblk * hkv, d, page)
-    _launch_kernel((hkv, bsz, splits), dict(
+    items = hkv * bsz * splits
+    grid = min(items, PROGRAMS_PER_SM * sm_count(q.device)) if PROGRAMS_PER_SM else items
+    _launch_kernel((grid,), dict(
         q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
         k_desc=_descriptor(k3, (1, page, d)), v_desc=_descriptor(v3, (1, d, page)),
         k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
-        qk_scale=qk_scale, num_splits=splits,
+        qk_scale=qk_scale, batch=bsz, num_splits=splits,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
         stride_bt=block_tables.stride(0),

@@ -489,11 +489,16 @@ def test_gpu_decode_bf16_cuda_graph(cache, d, hq, hkv):
 @gpu
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8)])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, splits):
+@pytest.mark.parametrize("small_grid", [False, True])
+def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, splits, small_grid):
     """The warp-specialized Gluon kernel (forced on at any batch): FlashAttention's rule against float64,
-    a padded slot (seq_len 0) gives zeros, and its output is within a float16 rounding of the Triton kernel's."""
+    a padded slot (seq_len 0) gives zeros, and its output is within a float16 rounding of the Triton kernel's.
+    small_grid: a grid of 16 programs, so each walks several work items through one ring."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import decode_attention_hopper as H
+
+    if small_grid:
+        monkeypatch.setattr(H, "sm_count", lambda device: 16 // H.PROGRAMS_PER_SM)
 
     seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1)]
     sc = Scenario(seqs, hq, hkv, 128, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
