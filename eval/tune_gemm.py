@@ -51,6 +51,14 @@ def ws_candidates():
             C(128, 128, 128, 8, 1, 4, 4, "ws"), C(128, 128, 64, 8, 1, 4, 8, "ws")]
 
 
+def ws_narrow_candidates():
+    """The Gluon kernel with 128 x 64 tiles, for M <= 256: twice the tiles of 128 x 128 (N = 4096 gives 64
+    of those, half the SMs of an H100)."""
+    from eightbit.kernels.gemm_configs import GemmConfig as C
+
+    return [C(128, 64, 128, 8, 1, 4, 8, "ws"), C(128, 64, 256, 8, 1, 4, 4, "ws"), C(128, 64, 64, 8, 1, 4, 12, "ws")]
+
+
 def candidates(m):
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
@@ -77,7 +85,7 @@ def candidates(m):
                 # won gate_up at M 128 and 256 (seventh session); 256-row tiles (one M tile for the whole
                 # batch) lost every shape at M = 256 by 8-76 %: there these GEMMs are bound by the MMA
                 # pipeline, not by reading the weights (docs/benchmarks/gemm.md)
-                C(128, 128, 128, 8, 1, 8, 3)] + ws_candidates()[-2:]
+                C(128, 128, 128, 8, 1, 8, 3)] + ws_candidates()[-2:] + ws_narrow_candidates()
     return ws_candidates() + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
             C(128, 256, 64, 8, 1, 8, 4), C(128, 128, 64, 8, 1, 4, 5), C(128, 128, 128, 8, 1, 4, 4),
             C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]

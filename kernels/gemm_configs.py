@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import triton
 
-M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs.json")
 
 

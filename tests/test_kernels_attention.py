@@ -487,10 +487,10 @@ def test_gpu_decode_bf16_cuda_graph(cache, d, hq, hkv):
 
 
 @gpu
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("splits", [None, 1, 5])
 @pytest.mark.parametrize("small_grid", [False, True])
-def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, splits, small_grid):
+def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid):
     """The warp-specialized Gluon kernel (forced on at any batch): FlashAttention's rule against float64,
     a padded slot (seq_len 0) gives zeros, and its output is within a float16 rounding of the Triton kernel's.
     small_grid: a grid of 16 programs, so each walks several work items through one ring."""
@@ -501,13 +501,13 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, splits, small_grid):
         monkeypatch.setattr(H, "sm_count", lambda device: 16 // H.PROGRAMS_PER_SM)
 
     seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1)]
-    sc = Scenario(seqs, hq, hkv, 128, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
-    q = torch.randn(len(seqs), hq, 128, device="cuda", dtype=torch.bfloat16)
-    args = (*sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5)
+    sc = Scenario(seqs, hq, hkv, d, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
+    q = torch.randn(len(seqs), hq, d, device="cuda", dtype=torch.bfloat16)
+    args = (*sc.caches, sc.block_tables, sc.seq_lens, d ** -0.5)
     assert H.ws_ok(q, sc.caches[0], sc.caches[1], sc.caches[2], 32)
     monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
     ws = decode_attention_splits(q, *args, splits)
-    _check_fa_rule(ws, q, sc, 128 ** -0.5)
+    _check_fa_rule(ws, q, sc, d ** -0.5)
     monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 1 << 30)
     triton_out = decode_attention_splits(q, *args, splits)
     torch.testing.assert_close(ws.float(), triton_out.float(), rtol=0.02, atol=0.01)
