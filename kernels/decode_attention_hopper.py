@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from eightbit.kernels.launch import FastLauncher, sm_count
+from eightbit.kernels.prefill_attention import I8_TO_F16_PTX
 
 CONSUMERS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(40)
@@ -46,19 +47,9 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1
 
 @gluon.jit
 def _i8_to_f16(x):
-    """int8 -> float16, exact: four values in five instructions (see prefill_attention.i8_to)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, hi, c;
-        xor.b32 t, $2, 0x80808080;
-        mov.b32 hi, 0x64646464;
-        mov.b32 c, 0x64806480;
-        prmt.b32 $0, t, hi, 0x5140;
-        prmt.b32 $1, t, hi, 0x7362;
-        sub.f16x2 $0, $0, c;
-        sub.f16x2 $1, $1, c;
-        }""",
-        constraints="=r,=r,r", args=[x], dtype=gl.float16, is_pure=True, pack=4)
+    """int8 -> float16, exact: four values in five instructions (prefill_attention.I8_TO_F16_PTX)."""
+    return gl.inline_asm_elementwise(asm=I8_TO_F16_PTX, constraints="=r,=r,r", args=[x], dtype=gl.float16,
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -301,7 +292,7 @@ def ws_ok(q, k_cache, v_cache, k_scale, group):
     rows = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng)) * ng
     aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, k_scale))
     return (16 <= page <= 256 and d <= 256 and ng in (2, 4, 8) and rows == 16 and aligned
-            and k_cache.is_contiguous() and k_scale.is_contiguous())
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous())
 
 
 @functools.lru_cache(maxsize=None)

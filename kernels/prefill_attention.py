@@ -39,6 +39,20 @@ from .reference import v_token_major
 
 LOG2E = 1.4426950408889634
 
+# int8 -> float16 for four values packed in a 32-bit register, as two f16x2 registers (also used by the Gluon
+# decode kernel): flip the sign bits, byte-permute each value under the exponent of 1024 so the fp16 reads
+# 1152 + x, subtract 1152 two at a time
+I8_TO_F16_PTX = tl.constexpr("""{
+    .reg .b32 t, hi, c;
+    xor.b32 t, $2, 0x80808080;
+    mov.b32 hi, 0x64646464;
+    mov.b32 c, 0x64806480;
+    prmt.b32 $0, t, hi, 0x5140;
+    prmt.b32 $1, t, hi, 0x7362;
+    sub.f16x2 $0, $0, c;
+    sub.f16x2 $1, $1, c;
+    }""")
+
 
 @triton.jit
 def i8_to(x, DTYPE: tl.constexpr, COMPILED: tl.constexpr):
@@ -48,18 +62,8 @@ def i8_to(x, DTYPE: tl.constexpr, COMPILED: tl.constexpr):
     lowering (eight per four); to float32 through bfloat16 (a shift more). The CPU interpreter
     runs no PTX and gets bfloat16 wrong, so it goes through float32."""
     if COMPILED and DTYPE == tl.float16:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t, hi, c;
-            xor.b32 t, $2, 0x80808080;
-            mov.b32 hi, 0x64646464;
-            mov.b32 c, 0x64806480;
-            prmt.b32 $0, t, hi, 0x5140;
-            prmt.b32 $1, t, hi, 0x7362;
-            sub.f16x2 $0, $0, c;
-            sub.f16x2 $1, $1, c;
-            }""",
-            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(asm=I8_TO_F16_PTX, constraints="=r,=r,r", args=[x], dtype=tl.float16,
+                                         is_pure=True, pack=4)
     elif COMPILED:
         return x.to(tl.bfloat16).to(DTYPE)
     else:
