@@ -281,9 +281,9 @@ KW = 4  # operand elements per thread along k: four int8 values are one 32-bit s
 
 
 def ws_ok(q, k_cache, v_cache, k_scale, group):
-    """For compiled CUDA tensors over an int8 cache that decode_attention has checked: sm_90, a page of at
-    least 16 keys (V's TMA rows are one page of bytes), 16-byte aligned bases, and NG * QPK_PAD == 16 (one
-    mma row block)."""
+    """For compiled CUDA tensors over an int8 cache that decode_attention has checked: sm_90, pages of 16 keys
+    (the engine's; V's TMA rows are one page of bytes, at least 16; other sizes are untested on a GPU),
+    contiguous caches and scales with 16-byte aligned bases, and NG * QPK_PAD == 16 (one mma row block)."""
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     _, page, hkv, d = k_cache.shape
@@ -291,7 +291,7 @@ def ws_ok(q, k_cache, v_cache, k_scale, group):
     qpk = q.shape[1] // hkv
     rows = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng)) * ng
     aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, k_scale))
-    return (16 <= page <= 256 and d <= 256 and ng in (2, 4, 8) and rows == 16 and aligned
+    return (page == 16 and d <= 256 and ng in (2, 4, 8) and rows == 16 and aligned
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous())
 
 
