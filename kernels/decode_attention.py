@@ -232,10 +232,6 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    hkv = k_cache.shape[2]
-    qpk = hq // hkv
-    cfg = decode_config(d, k_cache.dtype)
-    bn = cfg.pop("BLOCK_N")
     splits = int(num_splits) if num_splits else num_splits_for(q, k_cache, block_tables)
     if splits > 1:
         part_out = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
@@ -248,6 +244,10 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, float(softmax_scale) * LOG2E, out,
                   part_out, part_lse, splits, group)
         return _reduce(part_out, part_lse, out, splits)
+    hkv = k_cache.shape[2]
+    qpk = hq // hkv
+    cfg = decode_config(d, k_cache.dtype)
+    bn = cfg.pop("BLOCK_N")
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
     # rows of the (group-expanded, for int8) Q tile: QPK_PAD * (D / G) >= 16 for tl.dot

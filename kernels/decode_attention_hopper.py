@@ -28,7 +28,6 @@ compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy r
 
 import functools
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from eightbit.kernels.launch import FastLauncher, sm_count
+from eightbit.kernels.launch import FastLauncher, is_sm90, sm_count
 from eightbit.kernels.prefill_attention import I8_TO_F16_PTX
 
 CONSUMERS = gl.constexpr(4)
@@ -284,7 +283,7 @@ def ws_ok(q, k_cache, v_cache, k_scale, group):
     """For compiled CUDA tensors over an int8 cache that decode_attention has checked: sm_90, pages of 16 keys
     (the engine's; V's TMA rows are one page of bytes, at least 16; other sizes are untested on a GPU),
     contiguous caches and scales with 16-byte aligned bases, and NG * QPK_PAD == 16 (one mma row block)."""
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not is_sm90(q.device):
         return False
     _, page, hkv, d = k_cache.shape
     ng = d // group

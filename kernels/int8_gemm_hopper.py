@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.launch import FastLauncher, is_sm90
 
 ROWS_PER_CONSUMER = 64  # one wgmma row block per consumer warp group; a tile is 2 x 64 rows
 SUB_M = gl.constexpr(ROWS_PER_CONSUMER)  # the same, for the kernels
@@ -185,7 +185,7 @@ def ws_ok(x_q, w_q, out):
     """For compiled CUDA tensors (int8_gemm checks that before importing this module): sm_90 only (sm_100
     has other tensor-core instructions), with TMA-legal operands: 16-byte aligned bases and row strides,
     unit stride along K."""
-    if torch.cuda.get_device_capability(x_q.device) != (9, 0):
+    if not is_sm90(x_q.device):
         return False
     operands = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in (x_q, w_q))
     return operands and out.stride(1) == 1

@@ -46,12 +46,24 @@ def sm_count(device):
     """The multiprocessor count of a CUDA device (asked once per device); None for any other device."""
     if device.type != "cuda":
         return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties(_index(device)).multi_processor_count
+
+
+def is_sm90(device):
+    """Whether a device is a Hopper GPU (sm_90: H100/H200; asked once per device), which the Gluon kernels need."""
+    if device.type != "cuda":
+        return False
+    props = _properties(_index(device))
+    return (props.major, props.minor) == (9, 0)
+
+
+def _index(device):
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties(index):
+    return torch.cuda.get_device_properties(index)
 
 
 def _int_key(v, specialize):
