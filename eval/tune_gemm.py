@@ -43,8 +43,9 @@ GEMV_TILES = {  # M bucket -> (block_n, block_k, num_warps): <= ~64 accumulator 
 
 def ws_candidates():
     """The warp-specialized Gluon kernel (sm_90; int8_gemm_hopper.py): two 64-row consumer warp groups
-    (block_m 128, num_warps 4) under 208-213 KB of shared memory for the ring and the output tile; the
-    last two (128 x 128 tiles) are also tried at M <= 256."""
+    (block_m 128, num_warps 4) under 208-213 KB of shared memory for the ring and the output tile. All of
+    them are also tried at 64 < M <= 256: there a 128 x 64 tile reads twice its weight bytes of
+    activations from L2 per K step, and wider tiles halve that traffic (gate_up at M = 256)."""
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
     return [C(128, 256, 64, 8, 1, 4, 6, "ws"), C(128, 256, 64, 16, 1, 4, 6, "ws"), C(128, 256, 128, 8, 1, 4, 3, "ws"),
@@ -85,7 +86,7 @@ def candidates(m):
                 # won gate_up at M 128 and 256 (seventh session); 256-row tiles (one M tile for the whole
                 # batch) lost every shape at M = 256 by 8-76 %: there these GEMMs are bound by the MMA
                 # pipeline, not by reading the weights (docs/benchmarks/gemm.md)
-                C(128, 128, 128, 8, 1, 8, 3)] + ws_candidates()[-2:] + ws_narrow_candidates()
+                C(128, 128, 128, 8, 1, 8, 3)] + ws_candidates() + ws_narrow_candidates()
     return ws_candidates() + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
             C(128, 256, 64, 8, 1, 8, 4), C(128, 128, 64, 8, 1, 4, 5), C(128, 128, 128, 8, 1, 4, 4),
             C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]

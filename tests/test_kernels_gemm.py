@@ -385,9 +385,11 @@ def test_gemm_gpu_configs(cfg, shape):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: "x".join(map(str, c.key())))
-@pytest.mark.parametrize("shape", [(1, 2048, 2048), (77, 3072, 2080), (130, 136, 512), (1000, 1040, 4096)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 2048, 2048), (77, 3072, 2080), (130, 136, 512), (208, 136, 512),
+                                   (1000, 1040, 4096)], ids=str)
 def test_gemm_gpu_ws_kernel(cfg, shape, monkeypatch):
-    """The warp-specialized Gluon kernel (sm_90): M = 1, M and N off the tile, K off BLOCK_K (2080 = 32 x 65).
+    """The warp-specialized Gluon kernel (sm_90): M = 1, M and N off the tile (row blocks past M pulled back to
+    overlap their neighbours: 77, 130, 208), K off BLOCK_K (2080 = 32 x 65).
     Exact against the int32 product (fp32 out, stored from registers); with scales and bias, bf16 and fp16
     outputs (TMA store) equal the Triton dot kernel's bit for bit (the same epilogue arithmetic)."""
     if torch.cuda.get_device_capability() != (9, 0):
