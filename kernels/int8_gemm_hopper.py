@@ -28,8 +28,8 @@ faster than the Triton kernels at M >= 512 on an H100, docs/benchmarks/gemm.md):
   fetching the next tile while the consumers run their epilogue.
 
 There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the
-Triton kernels instead (see int8_gemm._ws_ok and ws_ok). A CPU test compiles this kernel for sm_90; the GPU tests compare
-it with the exact int32 product.
+Triton kernels instead (see int8_gemm._ws_ok and ws_ok). A CPU test compiles this kernel for sm_90;
+the GPU tests compare it with the exact int32 product.
 """
 
 import functools
@@ -222,7 +222,8 @@ def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms):
     c_target = out if tma_store else _unused_output(out.device, out.dtype)  # only its type matters then
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _launch_kernel((min(tiles, num_sms),), dict(
-        a_desc=_descriptor(x_q, (sub_m, cfg.block_k), gl.int8), b_desc=_descriptor(w_q, (cfg.block_n, cfg.block_k), gl.int8),
+        a_desc=_descriptor(x_q, (sub_m, cfg.block_k), gl.int8),
+        b_desc=_descriptor(w_q, (cfg.block_n, cfg.block_k), gl.int8),
         c_desc=_descriptor(c_target, c_block, _GL_DTYPES[out.dtype]), xs_ptr=x_scale, ws_ptr=w_scale,
         bias_ptr=bias if bias is not None else w_scale, c_ptr=out, M=m, N=n, K=k, stride_cm=out.stride(0),
         HAS_BIAS=bias is not None, TMA_STORE=tma_store, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
