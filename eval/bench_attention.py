@@ -237,7 +237,7 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
         caches = make_cache(nblk, d, kind)
         nbytes = batch * ctx * kv_bytes_per_token(d, kind) + batch * nb_seq * 4 + 2 * q.numel() * 2
         row[f"{kind}_bytes"] = nbytes
-        row["splits"] = num_splits_for(q, caches[0], tables["paged"][0])
+        row[f"{kind}_splits"] = num_splits_for(q, *caches, tables["paged"][0], sl)  # per kernel
         for layout in ("paged", "contig") if contiguous else ("paged",):
             for name, fn in impls.items():
                 fns = [lambda t=t, fn=fn: fn(q, *caches, t, sl, d ** -0.5) for t in tables[layout]]
@@ -354,8 +354,8 @@ def sweep_splits(results):
             r = decode_case(bsz, ctx, kinds=("int8",), contiguous=False, sdpa=False)
             logt += math.log(r["ours_int8_paged_ms"])
             results["sweep"].append(dict(kernel="decode splits", cfg=[pps, min_tok, max_splits], batch=bsz, ctx=ctx,
-                                         splits=r["splits"], GBs=r["ours_int8_paged_GBs"]))
-            print(f"sweep splits {pps}/{min_tok}/{max_splits} {bsz}x{ctx}: {r['splits']} splits "
+                                         splits=r["int8_splits"], GBs=r["ours_int8_paged_GBs"]))
+            print(f"sweep splits {pps}/{min_tok}/{max_splits} {bsz}x{ctx}: {r['int8_splits']} splits "
                   f"{r['ours_int8_paged_GBs']:.0f} GB/s", flush=True)
         if best is None or logt < best[0]:
             best = (logt, (pps, min_tok, max_splits))
@@ -440,7 +440,7 @@ def print_tables(res):
         cd, fl = r.get("sdpa_cudnn_tflops", float("nan")), r.get("sdpa_flash_tflops", float("nan"))
         print(f"{r['d']:>4} {r['seq']:>5} {r['batch']:>3} | {ob:9.0f} {oi:9.0f} | {cd:6.0f} {fl:6.0f} | {ob / fl:6.2f} {ob / cd:6.2f}")
     print("\ndecode d=128 32q/8kv, GB/s (% of copy bw); ratios")
-    print(f"{'B':>4} {'ctx':>6} {'sp':>3} | {'int8 paged':>15} {'int8 ctg':>8} | {'bf16 paged':>15} {'bf16 ctg':>8} | "
+    print(f"{'B':>4} {'ctx':>6} {'sp i8/bf':>9} | {'int8 paged':>15} {'int8 ctg':>8} | {'bf16 paged':>15} {'bf16 ctg':>8} | "
           f"{'sdpa bf16':>15} | {'i8/sdpa t':>9} {'bf16 pg/ctg':>11} | {'int8 ms':>8}")
     for r in res["decode"]:
         if "error" in r:
@@ -450,7 +450,7 @@ def print_tables(res):
         def g(k):
             return r.get(k, float("nan"))
 
-        print(f"{r['batch']:>4} {r['ctx']:>6} {r.get('splits', 0):>3} | {g('ours_int8_paged_GBs'):7.0f} ({100 * g('ours_int8_paged_GBs') / bw:4.0f}%) "
+        print(f"{r['batch']:>4} {r['ctx']:>6} {r.get('int8_splits', 0):>4}/{r.get('bf16_splits', 0):<4} | {g('ours_int8_paged_GBs'):7.0f} ({100 * g('ours_int8_paged_GBs') / bw:4.0f}%) "
               f"{g('ours_int8_contig_GBs'):8.0f} | {g('ours_bf16_paged_GBs'):7.0f} ({100 * g('ours_bf16_paged_GBs') / bw:4.0f}%) "
               f"{g('ours_bf16_contig_GBs'):8.0f} | {g('sdpa_bf16_GBs'):7.0f} ({100 * g('sdpa_bf16_GBs') / bw:4.0f}%) | "
               f"{g('sdpa_bf16_ms') / g('ours_int8_paged_ms'):9.2f} {g('ours_bf16_contig_ms') / g('ours_bf16_paged_ms'):11.2f} | "

@@ -55,11 +55,18 @@ DECODE_MAX_SPLITS = 128
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
 
 # The warp-specialized Gluon decode kernel (decode_attention_hopper.py, int8 cache on sm_90) takes calls with
-# at least this many (sequence, kv head) pairs. With the engine's mixed context lengths (block tables 512
-# wide) it read 4-12 points more of the copy bandwidth than the Triton kernel from 16 x 8 pairs on (16: 40 vs
-# 36 %, 256: 75 vs 67 %); at uniform 2k contexts it is 1-2 points behind at 8-16 x 8 and ahead from 32 x 8
-# (H100, docs/benchmarks/attention.md, ninth session). Batch 1 keeps the Triton kernel.
-DECODE_WS_MIN_PROGRAMS = 128
+# at least DECODE_WS_MIN_PROGRAMS (sequence, kv head) pairs and splits them for DECODE_WS_PROGRAMS_PER_SM
+# programs per SM: two of its programs are resident on an SM, so one round of equal work items is best.
+# Same process, every split count of both kernels (H100, docs/benchmarks/attention.md, eleventh session):
+# that rule picked the best count at batch 8-64 x 2k-32k and with the engine's mixed lengths, and reads
+# 72 vs 62 % of the copy bandwidth at 32 x 2k (1 split instead of 2), 55 vs 52 % at 16 x 2k, 68-79 % vs the
+# Triton kernel's 67-77 % at batch 8. Batch 1 keeps the Triton kernel (at 1 x 8k it was 2 points ahead).
+DECODE_WS_MIN_PROGRAMS = 64
+DECODE_WS_PROGRAMS_PER_SM = 2
+# The Gluon kernel's persistent grid starts the longest sequences' work items first (a greedy longest-first
+# schedule; the hardware hands out programs in order as SMs free up). With the engine's mixed lengths it read
+# 5-16 points more of the copy bandwidth at batch 16-256 (H100, attention.md, eleventh session).
+DECODE_LONGEST_FIRST = True
 
 # The reduce kernel and kv_write are tiny; one setting each.
 REDUCE = dict(num_warps=4)
@@ -94,10 +101,11 @@ def decode_config(head_dim, cache_dtype):
     return _lookup(DECODE, head_dim, cache_kind(cache_dtype))
 
 
-def decode_num_splits(batch, num_kv_heads, max_context, sm_count=None):
-    """Splits along the context for the FlashDecoding kernel, from shapes only (graph-safe)."""
+def decode_num_splits(batch, num_kv_heads, max_context, sm_count=None, programs_per_sm=None):
+    """Splits along the context for the FlashDecoding kernels, from shapes only (graph-safe).
+    programs_per_sm: the target (default DECODE_PROGRAMS_PER_SM, the Triton kernel's)."""
     sm = sm_count or DEFAULT_SM_COUNT
     programs = max(1, batch * num_kv_heads)
-    want = (DECODE_PROGRAMS_PER_SM * sm) // programs
+    want = ((programs_per_sm or DECODE_PROGRAMS_PER_SM) * sm) // programs
     cap = max(1, max_context // DECODE_MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))

@@ -22,8 +22,10 @@ Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 
 and the count is not compiled in).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
 
-num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the multiprocessor count, and
-block_tables.shape[1] * page size): see attention_configs.decode_num_splits.
+num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the
+multiprocessor count, and block_tables.shape[1] * page size) and the kernel that runs (this one, or from
+DECODE_WS_MIN_PROGRAMS pairs on the Gluon kernel of decode_attention_hopper.py): see
+attention_configs.decode_num_splits.
 The kv head is the fastest grid axis, so programs reading neighbouring heads of one token
 (whose scales share a 32-byte sector) run together.
 """
@@ -35,7 +37,7 @@ import triton.language as tl
 from . import attention_configs
 from .attention_configs import REDUCE, REDUCE_CHUNK, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
-from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to
+from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to, tensor_version
 
 
 @triton.jit
@@ -205,10 +207,18 @@ _launch_decode = FastLauncher(_decode_kernel)
 _launch_reduce = FastLauncher(_decode_reduce_kernel)
 
 
-def num_splits_for(q, k_cache, block_tables):
-    """The split count decode_attention will use for these shapes."""
+def num_splits_for(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens):
+    """The split count decode_attention will use for these inputs."""
+    quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                                          "decode_attention")
+    return _split_count(q, k_cache, block_tables, quant and _ws_ok(q, k_cache, v_cache, k_scale, group))
+
+
+def _split_count(q, k_cache, block_tables, ws):
+    """From shapes only (graph-safe), for the kernel that runs (ws: the Gluon one): see decode_num_splits."""
+    pps = attention_configs.DECODE_WS_PROGRAMS_PER_SM if ws else None
     return decode_num_splits(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
-                             sm_count(q.device))
+                             sm_count(q.device), pps)
 
 
 def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, softmax_scale):
@@ -232,17 +242,18 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    splits = int(num_splits) if num_splits else num_splits_for(q, k_cache, block_tables)
+    ws = quant and _ws_ok(q, k_cache, v_cache, k_scale, group)
+    splits = int(num_splits) if num_splits else _split_count(q, k_cache, block_tables, ws)
     if splits > 1:
         part_out = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    if quant and _ws_ok(q, k_cache, v_cache, k_scale, group):
+    if ws:
         from .decode_attention_hopper import launch_ws
 
         launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, float(softmax_scale) * LOG2E, out,
-                  part_out, part_lse, splits, group)
+                  part_out, part_lse, splits, group, _work_order(seq_lens))
         return _reduce(part_out, part_lse, out, splits)
     hkv = k_cache.shape[2]
     qpk = hq // hkv
@@ -264,6 +275,26 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=bn, SPLIT=splits > 1, QUANT=quant, COMPILED=compiled(),
     ), **cfg)
     return _reduce(part_out, part_lse, out, splits)
+
+
+_last_order = [None]  # ((seq_lens, its version, longest first?), order) of the latest call
+
+
+def _work_order(seq_lens):
+    """The order in which the Gluon kernel takes the sequences (int32 indices on the device, no host sync):
+    longest first (attention_configs.DECODE_LONGEST_FIRST), so the grid starts the longest work items first.
+    Every layer of a step passes the same seq_lens tensor, so it is built once per step (a memo with the
+    contract of prefill_attention._tile_map's)."""
+    key = (seq_lens, tensor_version(seq_lens), attention_configs.DECODE_LONGEST_FIRST)
+    memo = _last_order[0]
+    if memo is not None and memo[0][0] is seq_lens and memo[0][1:] == key[1:]:
+        return memo[1]
+    if key[2]:
+        order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    else:
+        order = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
+    _last_order[0] = (key, order)
+    return order
 
 
 def _reduce(part_out, part_lse, out, splits):

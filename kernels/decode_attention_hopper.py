@@ -1,8 +1,8 @@
 """The Hopper (sm_90) kernel of decode_attention over an int8 cache: warp-specialized, written in Gluon.
 
-Same contract and split rule as the Triton kernel in decode_attention.py (the partials go to the same merge
-kernel), a different structure. The work items are the Triton kernel's programs — (kv head, sequence, context
-split) — and a grid of PROGRAMS_PER_SM programs per SM walks them, each program every grid-th item:
+Same contract and the same key range per split as the Triton kernel in decode_attention.py (the partials go
+to the same merge kernel), a different structure. The work items are the Triton kernel's programs — (kv head,
+sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks them, each program every grid-th item:
 
 * a producer warp walks the items' keys in tiles of CONSUMERS pages and fills a ring of STAGES
   shared-memory slots: each page's K ([page, D], token-major) and V ([D, page], key-minor) by TMA, one
@@ -18,12 +18,15 @@ split) — and a grid of PROGRAMS_PER_SM programs per SM walks them, each progra
 * at the end of an item the warps' (max, sum, output) are merged and the output written, or the split's
   normalized partial and log-sum-exp for the merge kernel.
 
-Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth session) it reads up to 5
-points more of the copy bandwidth at uniform contexts from 32 (sequence, kv head) x 8 on, 4-12 points more
-with the engine's mixed lengths, and 1-2 points less at uniform contexts below, so decode_attention takes it
-from attention_configs.DECODE_WS_MIN_PROGRAMS pairs on. Gluon has no CPU
-interpreter: on the CPU, on other GPUs and for shapes ws_ok rejects, the Triton kernel runs. A CPU test
-compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule and to the Triton kernel.
+Work items are taken kv head fastest, then sequences longest first (decode_attention._work_order), then
+splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up.
+
+Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
+reads up to 10 points more of the copy bandwidth at uniform contexts from 64 (sequence, kv head) pairs on
+(with its own split count: one round of work items for its two resident programs per SM) and more with the
+engine's mixed lengths, so decode_attention takes it from attention_configs.DECODE_WS_MIN_PROGRAMS pairs on.
+Gluon has no CPU interpreter: on the CPU, on other GPUs and for shapes ws_ok rejects, the Triton kernel runs.
+A CPU test compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule and to the Triton kernel.
 """
 
 import functools
@@ -52,11 +55,12 @@ def _i8_to_f16(x):
 
 
 @gluon.jit
-def _work_item(item, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr):
-    """Work item -> (kv head, sequence, split, first key, end key), in the Triton kernel's grid order (kv head
-    fastest) and with its split rule, splits rounded to whole tiles."""
+def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr):
+    """Work item -> (kv head, sequence, split, first key, end key): kv head fastest, sequences longest first
+    (order_ptr: the batch's indices by descending length), with the Triton kernel's split rule, splits rounded
+    to whole tiles."""
     kvh = item % HKV
-    b = ((item // HKV) % batch).to(gl.int64)
+    b = gl.load(order_ptr + (item // HKV) % batch).to(gl.int64)
     split = item // (HKV * batch)
     seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
     per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
@@ -66,7 +70,7 @@ def _work_item(item, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: g
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, k_bufs, v_bufs,
+def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs, v_bufs,
               ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
               HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
@@ -81,7 +85,7 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
-        kvh, b, split, start, end = _work_item(item, seq_lens_ptr, batch, num_splits, HKV, TILE)
+        kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
         bt_row = block_tables_ptr + b * stride_bt
         for tile_start in range(start, end, TILE):
             slot = it % STAGES
@@ -106,7 +110,7 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
 
 @gluon.jit
 def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-              seq_lens_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
+              seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
               QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, NG: gl.constexpr,
               STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr):
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
@@ -114,7 +118,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
     it = 0
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
-        kvh, b, split, start, end = _work_item(item, seq_lens_ptr, batch, num_splits, HKV, TILE)
+        kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
         it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr,
                            part_lse_ptr, qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb, stride_qh,
                            stride_ob, stride_oh, QPK, QPK_PAD, HQ, NG, STAGES, SPLIT, KW)
@@ -234,9 +238,10 @@ def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, nu
 
 
 @gluon.jit(do_not_specialize=["batch", "num_splits", "stride_bt"],
-           do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])  # see decode_attention._decode_kernel
+           # see decode_attention._decode_kernel
+           do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "order_ptr"])
 def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr,
-                      block_tables_ptr, seq_lens_ptr, qk_scale, batch, num_splits,
+                      block_tables_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits,
                       stride_qb, stride_qh, stride_ob, stride_oh, stride_sb, stride_sp, stride_sh, stride_bt,
                       QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                       NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr):
@@ -255,11 +260,11 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-                     seq_lens_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
-                     QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, KW)),
-        (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, k_bufs, v_bufs,
-                     ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
-                     HKV, NG, STAGES)),
+                     seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob,
+                     stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, KW)),
+        (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs,
+                     v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh,
+                     stride_bt, HKV, NG, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -304,7 +309,7 @@ def _descriptor(t, block):
 
 
 def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_scale, out, part_out, part_lse,
-              splits, group):
+              splits, group, order):
     nblk, page, hkv, d = k_cache.shape
     bsz, hq, _ = q.shape
     qpk = hq // hkv
@@ -317,7 +322,7 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
         k_desc=_descriptor(k3, (1, page, d)), v_desc=_descriptor(v3, (1, d, page)),
         k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
-        qk_scale=qk_scale, batch=bsz, num_splits=splits,
+        order_ptr=order, qk_scale=qk_scale, batch=bsz, num_splits=splits,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
         stride_bt=block_tables.stride(0),

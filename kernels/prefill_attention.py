@@ -331,7 +331,7 @@ _launch_prefill = FastLauncher(_prefill_kernel)
 _last_tile_map = [None]  # ((cu_seqlens_q, its version, t, BLOCK_M), map) of the latest call
 
 
-def _version(t):
+def tensor_version(t):
     return None if t.is_inference() else t._version  # inference tensors keep no version counter
 
 
@@ -344,7 +344,7 @@ def _tile_map(cu_seqlens_q, t, bm):
     (an in-place change misses the memo). Contract: an inference-mode cu_seqlens_q is not
     changed in place between calls (the engine builds a new one every step)."""
     memo = _last_tile_map[0]
-    if memo is not None and memo[0][0] is cu_seqlens_q and memo[0][1:] == (_version(cu_seqlens_q), t, bm):
+    if memo is not None and memo[0][0] is cu_seqlens_q and memo[0][1:] == (tensor_version(cu_seqlens_q), t, bm):
         return memo[1]
     b = cu_seqlens_q.shape[0] - 1
     n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32)
@@ -356,7 +356,7 @@ def _tile_map(cu_seqlens_q, t, bm):
     sc = tile_seq.clamp(max=b - 1).long()
     tile_idx = (ends[sc] - 1 - pid).to(torch.int32)
     result = (bound, tile_seq, tile_idx)
-    _last_tile_map[0] = ((cu_seqlens_q, _version(cu_seqlens_q), t, bm), result)
+    _last_tile_map[0] = ((cu_seqlens_q, tensor_version(cu_seqlens_q), t, bm), result)
     return result
 
 

@@ -353,6 +353,38 @@ def test_decode_padded_slot_gives_zeros_and_default_signature(monkeypatch):
     close(out, decode_ref(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125), TOL[torch.float16])
 
 
+def test_decode_work_order_longest_first_and_memo(monkeypatch):
+    """The Gluon kernel's sequence order: indices by descending length (ties in batch order), built once per
+    seq_lens tensor and rebuilt after an in-place change or a flag change."""
+    from eightbit.kernels import attention_configs as C
+
+    monkeypatch.setattr(dmod, "_last_order", [None])
+    seq_lens = torch.tensor([5, 0, 300, 17, 300, 1], dtype=torch.int32)
+    order = dmod._work_order(seq_lens)
+    assert order.dtype == torch.int32 and order.tolist() == [2, 4, 3, 0, 5, 1]
+    assert dmod._work_order(seq_lens) is order  # memo: one build per step, not per layer
+    seq_lens[1] = 1000
+    assert dmod._work_order(seq_lens).tolist() == [1, 2, 4, 3, 0, 5]
+    assert dmod._work_order(seq_lens.clone()).tolist() == [1, 2, 4, 3, 0, 5]
+    monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", False)
+    assert dmod._work_order(seq_lens).tolist() == list(range(6))
+
+
+def test_decode_split_counts():
+    """Hand-computed: programs_per_sm x SMs // (batch x kv heads), capped by the context (128 keys per split)
+    and DECODE_MAX_SPLITS, at least 1; the Gluon kernel's rule (2 per SM) gives one round of work items."""
+    from eightbit.kernels.attention_configs import decode_num_splits
+
+    assert decode_num_splits(1, 8, 32768, 132) == 66  # 4 * 132 // 8
+    assert decode_num_splits(32, 8, 2048, 132) == 2
+    assert decode_num_splits(32, 8, 2048, 132, programs_per_sm=2) == 1
+    assert decode_num_splits(16, 8, 2048, 132, programs_per_sm=2) == 2
+    assert decode_num_splits(8, 8, 8192, 132, programs_per_sm=2) == 4
+    assert decode_num_splits(1, 8, 512, 132) == 4  # 512 // 128
+    assert decode_num_splits(1, 1, 1 << 20, 132) == 128  # DECODE_MAX_SPLITS
+    assert decode_num_splits(256, 8, 8192, 132) == 1
+
+
 @cpu_only
 def test_attention_rejects_bad_inputs():
     sc = Scenario([(20, 1)], 8, 2, 64, torch.int8, 32)
@@ -512,6 +544,9 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid):
     triton_out = decode_attention_splits(q, *args, splits)
     torch.testing.assert_close(ws.float(), triton_out.float(), rtol=0.02, atol=0.01)
     monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
+    monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", False)  # work items in batch order: the same bits
+    torch.testing.assert_close(decode_attention_splits(q, *args, splits), ws, rtol=0, atol=0)
+    monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", True)
     sc.seq_lens[3] = 0
     padded = decode_attention_splits(q, *args, splits)
     assert (padded[3] == 0).all()

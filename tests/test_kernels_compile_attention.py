@@ -140,6 +140,7 @@ WS_SCRIPT = textwrap.dedent(
         sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": desc([64 * 8, 128, 16], [1, 128, 16]),
                "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+               "order_ptr": "*i32",
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
         consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, KW=H.KW)
