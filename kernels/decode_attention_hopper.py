@@ -8,7 +8,10 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
   shared-memory slots: each page's K ([page, D], token-major) and V ([D, page], key-minor) by TMA, one
   copy each, and the tile's K and V group scales by cp.async (8 bytes per key: too narrow for TMA).
   It waits on the slot's `empty` barrier; the copies complete its `ready` barrier. The ring runs on
-  across items, so the next item's pages load while the math warps finish one;
+  across items, so the next item's pages load while the math warps finish one. A tile's page numbers
+  (block-table entries) are loaded one tile ahead, so a freed slot's copies start without a global load
+  in between: 2-4 points more of the copy bandwidth on an H200, 0-2 on an H100 (attention.md, eleventh
+  session), where more ring slots gained nothing;
 * a partition of CONSUMERS (4) warps does the math; every tensor there has a leading "warp" axis and warp w
   takes page w of each tile with its own online softmax, so nothing crosses warps until the end (one
   barrier per tile, before the slot goes back). Each warp runs the Triton kernel's math on mma.sync
@@ -83,29 +86,54 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
     keys_3d = gl.expand_dims(keys_2d, 2)
     groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    page_of_key = keys_3d // PAGE  # which of the tile's pages a scale thread copies from
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
         kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
         bt_row = block_tables_ptr + b * stride_bt
+        # the tile's page numbers are loaded one tile ahead: their latency (a global load) stays off the
+        # path from a freed slot to its copies
+        p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE)
         for tile_start in range(start, end, TILE):
+            n0, n1, n2, n3 = _tile_pages(bt_row, tile_start + TILE, end, PAGE)
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             keys = tile_start + keys_3d
             s_live = keys < end
-            blk = gl.load(bt_row + keys // PAGE, mask=s_live, other=0).to(gl.int64)
-            s_off = gl.multiple_of(blk * stride_sb + (keys % PAGE) * stride_sp + kvh * stride_sh, [1, 1, NG]) + groups
+            blk = gl.where(page_of_key == 0, p0, gl.where(page_of_key == 1, p1, gl.where(page_of_key == 2, p2, p3)))
+            s_off = gl.multiple_of(blk.to(gl.int64) * stride_sb + (keys % PAGE) * stride_sp + kvh * stride_sh,
+                                   [1, 1, NG]) + groups
             s_ptrs = gl.max_contiguous(gl.multiple_of(s_off, [1, 1, NG]), [1, 1, NG])  # strides are multiples of NG
             async_copy.async_copy_global_to_shared(ks_bufs.index(slot), k_scale_ptr + s_ptrs, mask=s_live)
             async_copy.async_copy_global_to_shared(vs_bufs.index(slot), v_scale_ptr + s_ptrs, mask=s_live)
             async_copy.mbarrier_arrive(bar)  # keys past the end get scale 0 (masked copies write zeros)
             mbarrier.expect(bar, nbytes)
-            for p in gl.static_range(CONSUMERS):
-                page_start = tile_start + p * PAGE
-                pblk = gl.load(bt_row + page_start // PAGE, mask=page_start < end, other=0)
-                tma.async_copy_global_to_shared(k_desc, [pblk, 0, kvh * D], bar, k_bufs.index(slot).slice(p, 1))
-                tma.async_copy_global_to_shared(v_desc, [pblk * HKV + kvh, 0, 0], bar, v_bufs.index(slot).slice(p, 1))
+            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p0, 0, kvh, HKV, D)
+            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p1, 1, kvh, HKV, D)
+            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p2, 2, kvh, HKV, D)
+            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p3, 3, kvh, HKV, D)
+            p0, p1, p2, p3 = n0, n1, n2, n3
             it += 1
+
+
+@gluon.jit
+def _tile_pages(bt_row, tile_start, end, PAGE: gl.constexpr):
+    """The block-table entries of a tile's CONSUMERS (4) pages; 0 for pages past the end (copied, unused)."""
+    gl.static_assert(CONSUMERS == 4)
+    first = tile_start // PAGE
+    return (gl.load(bt_row + first, mask=tile_start < end, other=0),
+            gl.load(bt_row + first + 1, mask=tile_start + PAGE < end, other=0),
+            gl.load(bt_row + first + 2, mask=tile_start + 2 * PAGE < end, other=0),
+            gl.load(bt_row + first + 3, mask=tile_start + 3 * PAGE < end, other=0))
+
+
+@gluon.jit
+def _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, page, p: gl.constexpr, kvh, HKV: gl.constexpr,
+               D: gl.constexpr):
+    """One page's K and V of this kv head by TMA into consumer p's part of the slot."""
+    tma.async_copy_global_to_shared(k_desc, [page, 0, kvh * D], bar, k_bufs.index(slot).slice(p, 1))
+    tma.async_copy_global_to_shared(v_desc, [page * HKV + kvh, 0, 0], bar, v_bufs.index(slot).slice(p, 1))
 
 
 @gluon.jit
