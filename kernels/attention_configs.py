@@ -55,17 +55,17 @@ DECODE_MAX_SPLITS = 128
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
 
 # The warp-specialized Gluon decode kernel (decode_attention_hopper.py, int8 cache on sm_90) takes calls with
-# at least DECODE_WS_MIN_PROGRAMS (sequence, kv head) pairs and splits them for DECODE_WS_PROGRAMS_PER_SM
-# programs per SM: two of its programs are resident on an SM, so one round of equal work items is best.
-# Same process, every split count of both kernels (H100, docs/benchmarks/attention.md, eleventh session):
-# that rule picked the best count at batch 8-64 x 2k-32k and with the engine's mixed lengths, and reads
-# 72 vs 62 % of the copy bandwidth at 32 x 2k (1 split instead of 2), 55 vs 52 % at 16 x 2k, 68-79 % vs the
-# Triton kernel's 67-77 % at batch 8. Batch 1 keeps the Triton kernel (at 1 x 8k it was 2 points ahead).
-DECODE_WS_MIN_PROGRAMS = 64
+# at least DECODE_WS_MIN_PROGRAMS (sequence, kv head) pairs (1: every call it can run) and splits them for
+# DECODE_WS_PROGRAMS_PER_SM programs per SM: two of its programs are resident on an SM, so one round of equal
+# work items is best. Same process, every split count of both kernels (H100, docs/benchmarks/attention.md,
+# eleventh session): that rule picked the best count of the Gluon kernel from batch 1 x 8k to 64 x 2k and with
+# the engine's mixed lengths, and with it the Gluon kernel was equal to the Triton kernel or ahead at every
+# batch and context: 1 x 32k 61 vs 57 % of the copy bandwidth, 4 x 8k 61 vs 57 %, 32 x 2k 72 vs 62 %.
+DECODE_WS_MIN_PROGRAMS = 1
 DECODE_WS_PROGRAMS_PER_SM = 2
 # The Gluon kernel's persistent grid starts the longest sequences' work items first (a greedy longest-first
 # schedule; the hardware hands out programs in order as SMs free up). With the engine's mixed lengths it read
-# 5-16 points more of the copy bandwidth at batch 16-256 (H100, attention.md, eleventh session).
+# 4-9 points more of the copy bandwidth at batch 16-256 (H100, attention.md, eleventh session).
 DECODE_LONGEST_FIRST = True
 
 # The reduce kernel and kv_write are tiny; one setting each.

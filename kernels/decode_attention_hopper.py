@@ -25,9 +25,10 @@ Work items are taken kv head fastest, then sequences longest first (decode_atten
 splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up.
 
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
-reads up to 10 points more of the copy bandwidth at uniform contexts from 64 (sequence, kv head) pairs on
-(with its own split count: one round of work items for its two resident programs per SM) and more with the
-engine's mixed lengths, so decode_attention takes it from attention_configs.DECODE_WS_MIN_PROGRAMS pairs on.
+reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
+of work items for its two resident programs per SM): up to 10 points more at uniform contexts, more with the
+engine's mixed lengths. So decode_attention takes it for every call it can run
+(attention_configs.DECODE_WS_MIN_PROGRAMS).
 Gluon has no CPU interpreter: on the CPU, on other GPUs and for shapes ws_ok rejects, the Triton kernel runs.
 A CPU test compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule and to the Triton kernel.
 """
