@@ -284,7 +284,8 @@ def _work_order(seq_lens):
     """The order in which the Gluon kernel takes the sequences (int32 indices on the device, no host sync):
     longest first (attention_configs.DECODE_LONGEST_FIRST), so the grid starts the longest work items first.
     Every layer of a step passes the same seq_lens tensor, so it is built once per step (a memo with the
-    contract of prefill_attention._tile_map's)."""
+    contract of prefill_attention._tile_map's). Results never depend on it: a stale order is still a
+    permutation of the batch, and every work item is computed alone."""
     key = (seq_lens, tensor_version(seq_lens), attention_configs.DECODE_LONGEST_FIRST)
     memo = _last_order[0]
     if memo is not None and memo[0][0] is seq_lens and memo[0][1:] == key[1:]:
