@@ -37,7 +37,7 @@ import triton.language as tl
 from . import attention_configs
 from .attention_configs import REDUCE, REDUCE_CHUNK, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
-from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to, tensor_version
+from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to, per_step
 
 
 @triton.jit
@@ -277,25 +277,22 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     return _reduce(part_out, part_lse, out, splits)
 
 
-_last_order = [None]  # ((seq_lens, its version, longest first?), order) of the latest call
+_last_order = [None]  # the memo of _work_order (prefill_attention.per_step)
 
 
 def _work_order(seq_lens):
     """The order in which the Gluon kernel takes the sequences (int32 indices on the device, no host sync):
     longest first (attention_configs.DECODE_LONGEST_FIRST), so the grid starts the longest work items first.
-    Every layer of a step passes the same seq_lens tensor, so it is built once per step (a memo with the
-    contract of prefill_attention._tile_map's). Results never depend on it: a stale order is still a
-    permutation of the batch, and every work item is computed alone."""
-    key = (seq_lens, tensor_version(seq_lens), attention_configs.DECODE_LONGEST_FIRST)
-    memo = _last_order[0]
-    if memo is not None and memo[0][0] is seq_lens and memo[0][1:] == key[1:]:
-        return memo[1]
-    if key[2]:
-        order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
-    else:
-        order = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
-    _last_order[0] = (key, order)
-    return order
+    Built once per step (per_step). Results never depend on it: a stale order is still a permutation of the
+    batch, and every work item is computed alone."""
+    longest_first = attention_configs.DECODE_LONGEST_FIRST
+    return per_step(_last_order, seq_lens, (longest_first,), lambda: _order(seq_lens, longest_first))
+
+
+def _order(seq_lens, longest_first):
+    if longest_first:
+        return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    return torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
 
 
 def _reduce(part_out, part_lse, out, splits):
