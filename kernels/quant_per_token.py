@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.pdl import allow_dependents, pdl_enabled
 
 QMAX = 127.0
 MAX_ROW = 65536  # the largest row one program holds in registers
@@ -78,7 +79,9 @@ def _quant_per_token_kernel(
     # meta-parameters
     CUDA_SCALE: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)  # the GEMM after us may start and prefetch its weights (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
@@ -136,7 +139,7 @@ def quant_per_token(x):
         block, num_warps = row_launch_params(k)
         _launch_quant((m,), dict(
             x_ptr=x2, q_ptr=q, scale_ptr=scale, K=k, stride_xm=x2.stride(0), stride_qm=q.stride(0),
-            CUDA_SCALE=x.is_cuda, BLOCK_K=block,
+            CUDA_SCALE=x.is_cuda, BLOCK_K=block, PDL=pdl_enabled(x.device),
         ), num_warps=num_warps, enable_fp_fusion=False)
     elif m > 0:
         scale.zero_()

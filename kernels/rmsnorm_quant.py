@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.pdl import allow_dependents, pdl_enabled
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
@@ -38,7 +39,9 @@ def _rmsnorm_kernel(
     QUANT: tl.constexpr,
     CUDA_SCALE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)  # the GEMM after us may start and prefetch its weights (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -89,6 +92,7 @@ def _launch(x, weight, eps, residual, quant):
             stride_x=x2.stride(0), stride_res=r2.stride(0) if r2 is not None else 0, stride_out=out.stride(0),
             stride_res_out=res_out.stride(0) if res_out is not None else 0, stride_q=q.stride(0),
             HAS_RESIDUAL=residual is not None, QUANT=quant, CUDA_SCALE=x.is_cuda, BLOCK_H=block,
+            PDL=pdl_enabled(x.device),
         ), num_warps=num_warps, enable_fp_fusion=False)
     elif quant:
         scale.zero_()

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.pdl import allow_dependents, pdl_enabled
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
@@ -33,7 +34,9 @@ def _silu_mul_kernel(
     QUANT: tl.constexpr,
     CUDA_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)  # the GEMM after us may start and prefetch its weights (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_I)
     mask = offs < I
@@ -69,6 +72,7 @@ def _launch(gate_up, quant):
             gu_ptr=gu, out_ptr=out, q_ptr=q, scale_ptr=scale, I=i,
             stride_gu=gu.stride(0), stride_out=out.stride(0), stride_q=q.stride(0),
             QUANT=quant, CUDA_SCALE=gate_up.is_cuda, BLOCK_I=block,
+            PDL=pdl_enabled(gate_up.device),
         ), num_warps=num_warps, enable_fp_fusion=False)
     elif quant:
         scale.zero_()

@@ -33,6 +33,10 @@ def _gemm_jobs():
     return sorted(jobs, key=lambda j: (j[0].key(), j[1]))
 
 
+def _assert_pdl(ptx):
+    assert "griddepcontrol.wait" in ptx, "the sm_90 build must wait for the previous kernel (kernels/pdl.py)"
+
+
 def _compile_gemm(job):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -49,7 +53,8 @@ def _compile_gemm(job):
             "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "constexpr",
         }
         consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True}
+                  "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True,
+                  "PDL": True}
         for name in consts:
             sig[name] = "constexpr"
         div16 = ["a_ptr", "xs_ptr", "b_ptr", "ws_ptr", "bias_ptr", "c_ptr", "acc_ptr", "lock_ptr",
@@ -57,6 +62,7 @@ def _compile_gemm(job):
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        _assert_pdl(k.asm["ptx"])
         return cfg.key(), even_k, k.metadata.shared, None
     if cfg.kernel == "ws":
         return _compile_ws(cfg)
@@ -71,7 +77,7 @@ def _compile_gemm(job):
     consts = {
         "stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_BIAS": True,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
-        "SPLIT_K": cfg.split_k, "EVEN_K": even_k,
+        "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True,
     }
     for name in consts:
         sig[name] = "constexpr"
@@ -80,6 +86,7 @@ def _compile_gemm(job):
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    _assert_pdl(k.asm["ptx"])
     return cfg.key(), even_k, k.metadata.shared, k.n_regs if hasattr(k, "n_regs") else None
 
 
@@ -138,17 +145,18 @@ def _compile_row(job):
         sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
                "q_ptr": "*i8", "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "stride_x": "i32",
                "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32", "stride_q": "i32"}
-        consts = {"HAS_RESIDUAL": True, "QUANT": quant, "CUDA_SCALE": True, "BLOCK_H": block}
+        consts = {"HAS_RESIDUAL": True, "QUANT": quant, "CUDA_SCALE": True, "BLOCK_H": block, "PDL": True}
     else:
         fn = _silu_mul_kernel
         sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "I": "i32",
                "stride_gu": "i32", "stride_out": "i32", "stride_q": "i32"}
-        consts = {"QUANT": quant, "CUDA_SCALE": True, "BLOCK_I": block}
+        consts = {"QUANT": quant, "CUDA_SCALE": True, "BLOCK_I": block, "PDL": True}
     for name in consts:
         sig[name] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": num_warps, "enable_fp_fusion": False})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "enable_fp_fusion": False})
+    assert "griddepcontrol.launch_dependents" in k.asm["ptx"], "the GEMM after this kernel may start early"
     return job
 
 

@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL, sm_90): a kernel's programs start before the previous kernel ends.
+
+Without it, a kernel's programs are scheduled only after every program of the previous kernel on the
+stream has exited and its writes are flushed, and then they still have to start up. With PDL
+(launched with `launch_pdl=True`) they are scheduled as soon as every program of the previous kernel
+has executed `griddepcontrol.launch_dependents` (`allow_dependents`) or exited, and wait on the SM,
+already set up, in `griddepcontrol.wait` (`wait_for_inputs`): it returns once the previous kernel has
+completed and its writes are visible. A kernel launched this way must wait before it reads anything
+an earlier kernel wrote and before it writes anything.
+
+Used here for the step a weight-bound linear layer spends most time on at small M: the int8 GEMMs are
+launched with PDL and wait before their first load, and the kernels that produce their int8 inputs
+(rmsnorm_quant, silu_mul_quant, quant_per_token) allow dependents as they start. Measured on an H100
+(docs/benchmarks/gemm.md, twelfth session): quantization + GEMM 0.3-0.9 us faster at M <= 128.
+Tried, not kept: the GEMMs allowing their own dependents early (a GEMM after a GEMM got up to 17 %
+slower at M = 8-16: the next GEMM's waiting programs hold SM slots), and prefetching the first weight
+bytes into L2 before the wait (mixed: faster for some shapes, slower for others).
+
+Both instructions do nothing in a kernel launched without the attribute, so one compiled kernel is
+correct either way. The CPU interpreter has no inline PTX: the kernels take a PDL constexpr, False
+there and off sm_90. EIGHTBIT_PDL=0 in the environment (read at import), or setting ENABLED, turns
+PDL off for A/B runs.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from eightbit.kernels.launch import interpreting, is_sm90
+
+ENABLED = os.environ.get("EIGHTBIT_PDL", "1") != "0"
+
+
+def pdl_enabled(device):
+    """Whether kernels on this device use PDL: sm_90, compiled (not interpreted), and ENABLED."""
+    return ENABLED and is_sm90(device) and not interpreting()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Block until the previous kernel on the stream has completed and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def allow_dependents(PDL: tl.constexpr):
+    """Let the next kernel on the stream schedule its programs (they still wait for us before their reads)."""
+    if PDL:
+        gdc_launch_dependents()
