@@ -42,9 +42,9 @@ in flight; 1.08-1.36x faster than the Triton kernels at M >= 512 (docs/benchmark
 and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "dot" kernel runs instead.
 (It replaced a persistent TMA-fed Triton kernel, "tma", which no tuned entry chose any more.)
 
-On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py): their
-programs are scheduled while the kernel that produced x_q is still running and wait for it in
-`griddepcontrol.wait` before their first load (quantization + GEMM 0.3-0.9 us faster at M <= 128, H100).
+On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py) at
+M <= 128: their programs are scheduled while the kernel that produced x_q is still running and wait for
+it in `griddepcontrol.wait` before their first load (see PDL_MAX_M for the measurements).
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
@@ -408,7 +408,7 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
         locks = _lock_buffer(x_q.device, grid[0] * grid[2])
     else:
         acc = locks = x32  # unused
-    pdl_args, pdl_options = _pdl(x_q.device)
+    pdl_args, pdl_options = _pdl(x_q.device, m)
     _launch_gemv_kernel(grid, dict(
         a_ptr=x32, xs_ptr=x_scale, b_ptr=w32, ws_ptr=w_scale, bias_ptr=bias if bias is not None else w_scale,
         c_ptr=out, acc_ptr=acc, lock_ptr=locks, M=m, N=n, KW=kw,
@@ -420,9 +420,17 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
     return out
 
 
-def _pdl(device):
-    """(constexprs, launch options): on sm_90 the Triton kernels are launched with PDL (kernels/pdl.py)."""
-    if not pdl_enabled(device):
+# PDL at decode sizes only (docs/benchmarks/gemm.md, twelfth session; H100, same-process A/B). At M <= 128,
+# quant_per_token + GEMM got 0.3-0.9 us faster for qkv, o and gate_up; down (K = 8192-14336) lost 0.7-1.7 us
+# at M = 8-32 there, yet the engine, where silu_mul_quant feeds down, decoded faster with it than with down
+# left out (batch 1: 3.713 vs 3.728 ms per token; 3.797 without PDL). At M = 192-256 Llama-3-8B qkv lost
+# 0.6-1.8 us (not understood yet), so larger M keeps the plain launch.
+PDL_MAX_M = 128
+
+
+def _pdl(device, m):
+    """(constexprs, launch options): launched with PDL on sm_90 up to PDL_MAX_M rows (kernels/pdl.py)."""
+    if m > PDL_MAX_M or not pdl_enabled(device):
         return dict(PDL=False), {}
     return dict(PDL=True), {"launch_pdl": True}
 
@@ -486,7 +494,7 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     else:
         part = locks = x_q  # unused
     bias_arg = bias if bias is not None else w_scale
-    pdl_args, pdl_options = _pdl(x_q.device)
+    pdl_args, pdl_options = _pdl(x_q.device, m)
     strides = (x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1))
     _launch_dot((tiles, split_k), dict(
         a_ptr=x_q, xs_ptr=x_scale, b_ptr=w_q, ws_ptr=w_scale, bias_ptr=bias_arg, c_ptr=out, part_ptr=part,

@@ -8,13 +8,13 @@ already set up, in `griddepcontrol.wait` (`wait_for_inputs`): it returns once th
 completed and its writes are visible. A kernel launched this way must wait before it reads anything
 an earlier kernel wrote and before it writes anything.
 
-Used here for the step a weight-bound linear layer spends most time on at small M: the int8 GEMMs are
-launched with PDL and wait before their first load, and the kernels that produce their int8 inputs
-(rmsnorm_quant, silu_mul_quant, quant_per_token) allow dependents as they start. Measured on an H100
-(docs/benchmarks/gemm.md, twelfth session): quantization + GEMM 0.3-0.9 us faster at M <= 128.
-Tried, not kept: the GEMMs allowing their own dependents early (a GEMM after a GEMM got up to 17 %
-slower at M = 8-16: the next GEMM's waiting programs hold SM slots), and prefetching the first weight
-bytes into L2 before the wait (mixed: faster for some shapes, slower for others).
+Used here where a weight-bound linear layer starts: the Triton int8 GEMMs are launched with PDL at small
+M (int8_gemm._pdl says which shapes) and wait before their first load, and the kernels that produce
+their int8 inputs (rmsnorm_quant, silu_mul_quant, quant_per_token) allow dependents as they start.
+Measured on an H100 (docs/benchmarks/gemm.md, twelfth session): engine decode 2.2 % faster per token at
+batch 1 and 1.6 % more decode tokens/s at batch 64. Tried, not kept: the GEMMs allowing their own
+dependents early (a GEMM right after a GEMM got up to 17 % slower at M = 8-16), and bulk-prefetching
+weight rows into L2 before the wait (faster for some shapes, slower for others).
 
 Both instructions do nothing in a kernel launched without the attribute, so one compiled kernel is
 correct either way. The CPU interpreter has no inline PTX: the kernels take a PDL constexpr, False
