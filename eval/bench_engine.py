@@ -31,7 +31,6 @@ import time
 import torch
 
 from eightbit.eval.bench_common import (
-    decode_step_bytes,
     make_requests,
     random_prompts,
     short_error,

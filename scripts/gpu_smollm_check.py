@@ -11,8 +11,6 @@ import math
 import sys
 import time
 
-import torch
-
 from eightbit import LLM, SamplingParams
 
 PROMPTS = [

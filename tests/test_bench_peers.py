@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eightbit.eval.bench_common import BenchRequest, make_requests, weight_bytes
+from eightbit.eval.bench_common import BenchRequest, make_requests
 from eightbit.eval.bench_engine import Deadline
 from eightbit.eval.bench_peers import HFSystem
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eightbit import LLM, SamplingParams
+from eightbit import SamplingParams
 from eightbit.cli import main as cli_main
 
 PROMPTS = ["Tell me about the ocean.", "My favourite food is", "Write a short poem about", "1, 2, 3,"]

@@ -78,7 +78,7 @@ class Scenario:
         self.caches = empty_cache(total, page, hkv, d, cache_dtype, group, device)
         # fill: shared blocks must hold the same tokens, so draw k/v per (physical slot)
         kv_dtype = torch.float32 if cache_dtype == torch.int8 else cache_dtype
-        slots, ks, vs = [], [], []
+        slots = []
         seen = set()
         for b, (s, _) in enumerate(seqs):
             for p in range(s):

@@ -12,8 +12,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer, tiny_text
 
 CHILD = textwrap.dedent(
