@@ -43,8 +43,9 @@ and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "do
 (It replaced a persistent TMA-fed Triton kernel, "tma", which no tuned entry chose any more.)
 
 On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py) at
-M <= 128: their programs are scheduled while the kernel that produced x_q is still running and wait for
-it in `griddepcontrol.wait` before their first load (see PDL_MAX_M for the measurements).
+M <= 128: their programs may be scheduled as soon as the kernel before them allows it (the norm, SiLU and
+quantization kernels do as they start) and wait in `griddepcontrol.wait` before touching memory (see
+PDL_MAX_M for the measurements).
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
@@ -56,7 +57,7 @@ import triton.language as tl
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
-from eightbit.kernels.pdl import pdl_enabled, wait_for_inputs
+from eightbit.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit
@@ -104,6 +105,8 @@ def _int8_gemm_kernel(
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # launched with PDL (sm_90, small M): nothing is read or written before the kernel before us has completed
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -125,7 +128,6 @@ def _int8_gemm_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
-    wait_for_inputs(PDL)  # launched with PDL on sm_90: the kernel before us has produced x_q (kernels/pdl.py)
 
     a_ptrs = a_ptr + rm[:, None] * stride_am + (t_start * BLOCK_K + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + rn[None, :] * stride_bn + (t_start * BLOCK_K + offs_k)[:, None] * stride_bk
@@ -231,6 +233,7 @@ def _int8_gemv_kernel(
     PDL: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == 1 or BLOCK_M == 2 or BLOCK_M == 4 or BLOCK_M == 8)
+    wait_for_previous_kernel(PDL)  # as in _int8_gemm_kernel
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -242,7 +245,6 @@ def _int8_gemv_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
-    wait_for_inputs(PDL)  # launched with PDL on sm_90: the kernel before us has produced x_q (kernels/pdl.py)
 
     m0 = pid_m * BLOCK_M
     x0 = a_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_am

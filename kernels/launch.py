@@ -50,8 +50,9 @@ def sm_count(device):
 
 
 def is_sm90(device):
-    """Whether a device is a Hopper GPU (sm_90: H100/H200; asked once per device), which the Gluon kernels need."""
-    if device.type != "cuda":
+    """Whether a device is a Hopper GPU (sm_90: H100/H200; asked once per device), which the Gluon kernels need.
+    (A ROCm build reports its GPUs as "cuda" devices too, and an MI200 as 9.0: not a Hopper.)"""
+    if device.type != "cuda" or torch.version.hip is not None:
         return False
     props = _properties(_index(device))
     return (props.major, props.minor) == (9, 0)

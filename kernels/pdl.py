@@ -4,7 +4,7 @@ Without it, a kernel's programs are scheduled only after every program of the pr
 stream has exited and its writes are flushed, and then they still have to start up. With PDL
 (launched with `launch_pdl=True`) they are scheduled as soon as every program of the previous kernel
 has executed `griddepcontrol.launch_dependents` (`allow_dependents`) or exited, and wait on the SM,
-already set up, in `griddepcontrol.wait` (`wait_for_inputs`): it returns once the previous kernel has
+already set up, in `griddepcontrol.wait` (`wait_for_previous_kernel`): it returns once the previous kernel has
 completed and its writes are visible. A kernel launched this way must wait before it reads anything
 an earlier kernel wrote and before it writes anything.
 
@@ -39,7 +39,7 @@ def pdl_enabled(device):
 
 
 @triton.jit
-def wait_for_inputs(PDL: tl.constexpr):
+def wait_for_previous_kernel(PDL: tl.constexpr):
     """Block until the previous kernel on the stream has completed and its writes are visible."""
     if PDL:
         gdc_wait()

@@ -41,7 +41,7 @@ def _rmsnorm_kernel(
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    allow_dependents(PDL)  # the GEMM after us may start and prefetch its weights (kernels/pdl.py)
+    allow_dependents(PDL)  # a PDL GEMM after us may be scheduled now; it waits for our writes (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H

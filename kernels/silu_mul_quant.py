@@ -36,7 +36,7 @@ def _silu_mul_kernel(
     BLOCK_I: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    allow_dependents(PDL)  # the GEMM after us may start and prefetch its weights (kernels/pdl.py)
+    allow_dependents(PDL)  # a PDL GEMM after us may be scheduled now; it waits for our writes (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_I)
     mask = offs < I

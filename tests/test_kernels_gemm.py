@@ -512,7 +512,8 @@ def test_pdl_chain_in_graph_matches_without_pdl(m):
     `griddepcontrol.wait` would see the previous replay's activations (x changes between replays)."""
     from eightbit.kernels import pdl
 
-    assert pdl.pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability() == (9, 0))
+    if not pdl.pdl_enabled(torch.device("cuda")):
+        pytest.skip("PDL is used on sm_90 only (and not with EIGHTBIT_PDL=0)")
     g = _gen(7)
     h, inter, layers = 2048, 4096, 4
     x = torch.randn(m, h, generator=g).cuda().bfloat16()
