@@ -423,7 +423,7 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
 
 
 # PDL at decode sizes only (docs/benchmarks/gemm.md, twelfth session; H100, same-process A/B). At M <= 128,
-# quant_per_token + GEMM got 0.3-0.9 us faster for qkv, o and gate_up; down (K = 8192-14336) lost 0.7-1.7 us
+# quant_per_token + GEMM got 0.45-1.0 us faster for qkv, o and gate_up; down (K = 8192-14336) lost 0.7-1.7 us
 # at M = 8-32 there, yet the engine, where silu_mul_quant feeds down, decoded faster with it than with down
 # left out (batch 1: 3.713 vs 3.728 ms per token; 3.797 without PDL). At M = 192-256 Llama-3-8B qkv lost
 # 0.6-1.8 us (not understood yet), so larger M keeps the plain launch.
