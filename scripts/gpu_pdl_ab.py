@@ -47,7 +47,7 @@ def bench_shape(m, n, k):
     wq.clear()
     ws.clear()
     wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(n_copies(2 * n * k))]
-    r["bf16"] = time_graph([lambda i=i: F.linear(x, w) for i, w in enumerate(wb)])
+    r["bf16"] = time_graph([lambda w=w: F.linear(x, w) for w in wb])
     wb.clear()
     torch.cuda.empty_cache()
     return r
