@@ -430,11 +430,13 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
 PDL_MAX_M = 128
 
 
+_PLAIN_LAUNCH = (dict(PDL=False), {})
+_PDL_LAUNCH = (dict(PDL=True), {"launch_pdl": True})
+
+
 def _pdl(device, m):
     """(constexprs, launch options): launched with PDL on sm_90 up to PDL_MAX_M rows (kernels/pdl.py)."""
-    if m > PDL_MAX_M or not pdl_enabled(device):
-        return dict(PDL=False), {}
-    return dict(PDL=True), {"launch_pdl": True}
+    return _PDL_LAUNCH if m <= PDL_MAX_M and pdl_enabled(device) else _PLAIN_LAUNCH
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):

@@ -22,8 +22,10 @@ there and off sm_90. EIGHTBIT_PDL=0 in the environment (read at import), or sett
 PDL off for A/B runs.
 """
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -34,8 +36,14 @@ ENABLED = os.environ.get("EIGHTBIT_PDL", "1") != "0"
 
 
 def pdl_enabled(device):
-    """Whether kernels on this device use PDL: sm_90, compiled (not interpreted), and ENABLED."""
-    return ENABLED and is_sm90(device) and not interpreting()
+    """Whether kernels on this device use PDL: sm_90, compiled (not interpreted), and ENABLED. Asked at
+    every launch of the GEMMs and their producers, so the device part is answered once per device."""
+    return ENABLED and _supported(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(device: torch.device):
+    return is_sm90(device) and not interpreting()
 
 
 @triton.jit
