@@ -36,6 +36,16 @@ PREFILL_LONG = {
     (128, "int8"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5),
 }
 
+# The warp-specialized Gluon prefill (prefill_attention_hopper.py: a bfloat16/float16 cache on sm_90) takes every
+# call it can run: head_dim -> keys per tile and ring slots. Same process, H100, 16k tokens per call (attention.md,
+# thirteenth session): 128 keys and 3 slots read 546 TFLOP/s at 4k, against 487 with 2 slots and no overlap inside
+# the warp group, 424 with 2 slots and the overlap, 378 for the Triton kernel. At d = 64 every tried setting was
+# slower than the Triton kernel up to 4k (329 against 335 at 4k), so head_dim 64 is not in the table.
+PREFILL_WS_ENABLED = True
+PREFILL_WS = {
+    128: dict(BLOCK_N=128, STAGES=3),
+}
+
 DECODE = {
     (64, "float"): dict(BLOCK_N=32, num_warps=1, num_stages=3),
     (64, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=2),

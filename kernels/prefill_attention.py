@@ -383,6 +383,11 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0 or b == 0:
         return out
+    if not quant and _ws_ok(q, k_cache, v_cache):
+        from .prefill_attention_hopper import TILE_M, launch_ws
+
+        return launch_ws(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E,
+                         out, _tile_map(cu_seqlens_q, t, TILE_M))
     cfg = prefill_config(d, k_cache.dtype, t // b)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bound, tile_seq, tile_idx = _tile_map(cu_seqlens_q, t, bm)
@@ -403,3 +408,13 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
         BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, COMPILED=compiled(),
     ), **cfg)
     return out
+
+
+def _ws_ok(q, k_cache, v_cache):
+    """Whether the warp-specialized Hopper kernel (prefill_attention_hopper.py) takes this call: compiled CUDA
+    tensors over a float cache, and what its ws_ok asks."""
+    if not q.is_cuda or not compiled():
+        return False
+    from .prefill_attention_hopper import ws_ok
+
+    return ws_ok(q, k_cache, v_cache)

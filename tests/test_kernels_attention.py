@@ -492,6 +492,61 @@ def test_gpu_prefill_long_prompts_bf16(cache, d, hq, hkv):
 
 
 @gpu
+@pytest.mark.parametrize("dtype,d,hq,hkv,page", [
+    (torch.bfloat16, 128, 32, 8, 16), (torch.bfloat16, 64, 12, 3, 16), (torch.bfloat16, 128, 8, 8, 64),
+    (torch.float16, 128, 16, 2, 32), (torch.bfloat16, 64, 8, 1, 8)])
+@pytest.mark.parametrize("int64_meta", [False, True])
+def test_gpu_prefill_ws_kernel(monkeypatch, dtype, d, hq, hkv, page, int64_meta):
+    """The warp-specialized Gluon prefill (taken for every float-cache call on sm_90): FlashAttention's rule
+    against float64 while every unused cache slot holds NaN (V's rows past a sequence's end are zeroed in
+    shared memory), an empty chunk, and within bf16/fp16 rounding of the Triton kernel."""
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels import prefill_attention_hopper as H
+
+    monkeypatch.setitem(C.PREFILL_WS, 64, dict(C.PREFILL_WS[128]))  # the kernel runs d = 64; the table leaves it out
+    seqs = [(1, 1), (1000, 1000), (2100, 333), (40, 0), (777, 1), (4096, 600), (130, 129), (64, 64)]
+    sc = Scenario(seqs, hq, hkv, d, dtype, d, page=page, share_prefix_blocks=3, device="cuda", seed=d + page)
+    q = torch.randn(sc.T, hq, d, device="cuda", dtype=dtype)
+    meta = (sc.block_tables, sc.cu, sc.seq_lens)
+    if int64_meta:
+        meta = tuple(t.long() for t in meta)
+    args = (q, *sc.caches, *meta, d ** -0.5)
+    assert H.ws_ok(q, sc.caches[0], sc.caches[1])
+    calls = []
+    real = H.launch_ws
+    monkeypatch.setattr(H, "launch_ws", lambda *a: calls.append(1) or real(*a))
+    ws = prefill_attention(*args)
+    torch.cuda.synchronize()
+    assert calls == [1]
+    if dtype == torch.bfloat16:
+        _check_fa_rule(ws, q, sc, d ** -0.5)
+    assert torch.isfinite(ws).all()
+    monkeypatch.setattr(C, "PREFILL_WS_ENABLED", False)
+    triton_out = prefill_attention(*args)
+    assert calls == [1]
+    torch.testing.assert_close(ws.float(), triton_out.float(), rtol=0.02, atol=0.02)
+
+
+@gpu
+def test_gpu_prefill_ws_kernel_declines_what_it_cannot_run():
+    """ws_ok sends an int8 cache, a q of another dtype, a head_dim without a config and non-contiguous tensors to
+    the Triton kernel."""
+    from eightbit.kernels import prefill_attention_hopper as H
+
+    sc = Scenario([(100, 100)], 8, 2, 128, torch.bfloat16, 128, device="cuda")
+    q = torch.randn(sc.T, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kc, vc = sc.caches[:2]
+    assert H.ws_ok(q, kc, vc)
+    assert not H.ws_ok(q.half(), kc, vc)
+    assert not H.ws_ok(q, kc[:, :, :1], vc[:, :, :1])  # non-contiguous cache view
+    assert not H.ws_ok(torch.randn(sc.T, 8, 256, device="cuda", dtype=torch.bfloat16)[:, :, :128], kc, vc)
+    i8 = Scenario([(100, 100)], 8, 2, 128, torch.int8, 32, device="cuda")
+    assert not H.ws_ok(q, i8.caches[0], i8.caches[1])
+    small = Scenario([(100, 100)], 8, 2, 32, torch.bfloat16, 32, device="cuda")
+    assert not H.ws_ok(q[:, :, :32].contiguous(), small.caches[0], small.caches[1])
+
+
+@gpu
 @pytest.mark.parametrize("cache,d,hq,hkv", GPU_CASES)
 def test_gpu_decode_bf16_cuda_graph(cache, d, hq, hkv):
     cache_dtype = torch.int8 if cache.startswith("int8") else torch.bfloat16

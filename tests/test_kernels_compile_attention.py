@@ -174,3 +174,59 @@ def test_decode_ws_kernel_compiles_for_sm90():
         assert r["scale_copies"] > 0 and r["async_arrive"] > 0, r
         assert r["byte_loads"] <= 1, r  # one scalar byte load outside the loop is Triton's; the tiles are words
         assert 2 * r["shared"] <= HOPPER_SMEM, r
+
+
+WS_PREFILL_SCRIPT = textwrap.dedent(
+    r"""
+    import json, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels import prefill_attention_hopper as P
+
+    fn = P._prefill_ws_kernel
+    results = []
+    for d, cfg in C.PREFILL_WS.items():
+        for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
+            q_layout, kv_layout, s_l, o_l = P._layouts(cfg["BLOCK_N"], d, dtype)
+
+            def desc(block, layout):
+                t = torch.zeros(256, 8 * d, dtype=dtype)
+                return mangle_type(TensorDescriptor(t, [256, 8 * d], [8 * d, 1], block, layout))
+
+            sig = {"q_desc": desc([P.HALF_ROWS, d], q_layout), "k_desc": desc([16, d], kv_layout),
+                   "v_desc": desc([16, d], kv_layout), "out_ptr": ptr, "qk_scale": "fp32"}
+            sig.update({a: "*i32" for a in fn.arg_names if a.endswith("_ptr") and a not in sig})
+            sig.update({a: "i32" for a in fn.arg_names if a not in sig})
+            consts = dict(QPK=4, BN=cfg["BLOCK_N"], STAGES=cfg["STAGES"], S_L=s_l, O_L=o_l, KV_LAYOUT=kv_layout)
+            sig.update({n: "constexpr" for n in consts})
+            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("out_ptr", "stride_ot", "stride_oh")}
+            k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            ptx = k.asm["ptx"]
+            results.append(dict(d=d, dtype=ptr, shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+                                wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor.2d"),
+                                setmaxnreg=ptx.count("setmaxnreg"), fence=ptx.count("fence.proxy.async"),
+                                partition_barrier=ptx.count("bar.sync \t2, 128;")))
+    print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+def test_prefill_ws_kernel_compiles_for_sm90():
+    """The Gluon prefill kernel, for every head_dim of attention_configs.PREFILL_WS and both float dtypes:
+    wgmma tensor-core instructions, TMA copies, warp specialization, the fence and the consumer-only barrier
+    of V's tail zeroing, and shared memory that fits a Hopper multiprocessor."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", WS_PREFILL_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
+    results = json.loads(line[len("RESULTS "):])
+    assert len(results) >= 2 and any(r["d"] == 128 for r in results)
+    for r in results:
+        assert r["cubin"] > 0 and r["wgmma"] > 0 and r["tma"] > 0 and r["setmaxnreg"] > 0, r
+        assert r["fence"] > 0 and r["partition_barrier"] > 0, r
+        assert r["shared"] <= HOPPER_SMEM, r
