@@ -23,6 +23,9 @@ Tiles are handed out longest-first within each sequence (the last query tile see
 keys), via a small tile -> (sequence, tile) map built on the device with no host sync, once
 per step (see _tile_map).
 
+On sm_90 a float cache at the head_dims of attention_configs.PREFILL_WS runs the warp-specialized Gluon kernel
+of prefill_attention_hopper.py instead (same contract and tile map; `_ws_ok` decides).
+
 Requirements: q [T, Hq, D] float16/bfloat16/float32 with a contiguous last dim; power-of-two
 head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_lens [B]
 int32/int64 on the same device; caches as in reference.py (K and float V head_dim-contiguous,
