@@ -46,6 +46,18 @@ PREFILL_WS = {
     128: dict(BLOCK_N=128, STAGES=3),
 }
 
+# An int8-cache prefill on sm_90 can dequantize the blocks its sequences use into a float copy once per call
+# (kv_dequant.py) and run the Gluon kernel on it. Taken when the call has at least MIN_TOKENS query tokens per
+# sequence, or a context of MIN_CONTEXT keys or more (block_tables' width, the step's longest), and the copy (K and
+# V, q's dtype) is at most MAX_BYTES: transient memory outside the KV-cache budget, 33.5 MB per 8k-token sequence
+# of Llama-3-8B. Same process, H100, against the int8 Triton kernel (attention.md, thirteenth session): full
+# prefills 0.7x at 64 tokens, 0.8x at 128, 1.1x at 256, 1.4x at 512, 1.7-2.3x from 1k on; chunks of 16-1,024
+# queries after 8k or 32k keys 2.0-4.4x; chunks of 16-64 queries after 2k keys 0.6-0.9x.
+PREFILL_INT8_VIA_FLOAT = True
+PREFILL_INT8_VIA_FLOAT_MIN_TOKENS = 256
+PREFILL_INT8_VIA_FLOAT_MIN_CONTEXT = 8192
+PREFILL_INT8_VIA_FLOAT_MAX_BYTES = 256 << 20
+
 DECODE = {
     (64, "float"): dict(BLOCK_N=32, num_warps=1, num_stages=3),
     (64, "int8"): dict(BLOCK_N=64, num_warps=4, num_stages=2),

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_configs
 from .attention_configs import prefill_config
 from .launch import FastLauncher, interpreting
 from .reference import v_token_major
@@ -391,6 +392,13 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
 
         return launch_ws(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E,
                          out, _tile_map(cu_seqlens_q, t, TILE_M))
+    if quant and _int8_via_float(q, k_cache, block_tables):
+        from .kv_dequant import dequantize_blocks
+        from .prefill_attention_hopper import TILE_M, launch_ws
+
+        k_copy, v_copy, table = dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q.dtype)
+        return launch_ws(q, k_copy, v_copy, table, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E, out,
+                         _tile_map(cu_seqlens_q, t, TILE_M))
     cfg = prefill_config(d, k_cache.dtype, t // b)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bound, tile_seq, tile_idx = _tile_map(cu_seqlens_q, t, bm)
@@ -421,3 +429,21 @@ def _ws_ok(q, k_cache, v_cache):
     from .prefill_attention_hopper import ws_ok
 
     return ws_ok(q, k_cache, v_cache)
+
+
+def _int8_via_float(q, k_cache, block_tables):
+    """Whether an int8-cache prefill runs as a dequantized float copy of its blocks (kv_dequant.py) through the
+    Hopper kernel: enough query tokens per sequence or a long context, a small enough copy (attention_configs),
+    and a copy that the Hopper kernel takes."""
+    if not attention_configs.PREFILL_INT8_VIA_FLOAT or not q.is_cuda or not compiled():
+        return False
+    b, width = block_tables.shape
+    _, page, hkv, d = k_cache.shape
+    copy_bytes = 2 * b * width * page * hkv * d * q.element_size()
+    enough = (q.shape[0] >= b * attention_configs.PREFILL_INT8_VIA_FLOAT_MIN_TOKENS
+              or width * page >= attention_configs.PREFILL_INT8_VIA_FLOAT_MIN_CONTEXT)
+    if not enough or copy_bytes > attention_configs.PREFILL_INT8_VIA_FLOAT_MAX_BYTES:
+        return False
+    from .prefill_attention_hopper import shape_ok
+
+    return shape_ok(q, (b * width, page, hkv, d))

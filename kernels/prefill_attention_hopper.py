@@ -229,16 +229,21 @@ _launch_kernel = FastLauncher(_prefill_ws_kernel)
 
 
 def ws_ok(q, k_cache, v_cache):
-    """For compiled CUDA tensors that prefill_attention has checked: sm_90, a bfloat16/float16 cache of q's
-    dtype, a head_dim in attention_configs.PREFILL_WS, power-of-two pages of 8 keys or more that tile BLOCK_N,
-    and contiguous q and caches with 16-byte aligned bases (TMA's rules)."""
+    """For compiled CUDA tensors that prefill_attention has checked: a float cache of q's dtype, contiguous with
+    16-byte aligned bases (TMA's rules), and what shape_ok asks."""
+    return (k_cache.dtype == q.dtype and shape_ok(q, k_cache.shape)
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k_cache, v_cache)))
+
+
+def shape_ok(q, cache_shape):
+    """sm_90, a bfloat16/float16 q (contiguous, 16-byte aligned), a head_dim in attention_configs.PREFILL_WS, and
+    power-of-two pages of 8 keys or more that tile BLOCK_N, for a float cache of cache_shape."""
     if not attention_configs.PREFILL_WS_ENABLED or not is_sm90(q.device):
         return False
-    nb, page, hkv, d = k_cache.shape
+    nb, page, hkv, d = cache_shape
     cfg = attention_configs.PREFILL_WS.get(d)
-    return (cfg is not None and k_cache.dtype in _GL and q.dtype == k_cache.dtype
-            and page >= 8 and page & (page - 1) == 0 and cfg["BLOCK_N"] % page == 0 and nb * page < 2**31
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache)))
+    return (cfg is not None and q.dtype in _GL and page >= 8 and page & (page - 1) == 0
+            and cfg["BLOCK_N"] % page == 0 and nb * page < 2**31 and q.is_contiguous() and q.data_ptr() % 16 == 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -149,6 +149,23 @@ def gather_kv(cache, scale, block_table, length):
     return dequantize_groups(x, scale[blocks].flatten(0, 1)[:length])
 
 
+def dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dtype):
+    """The int8 blocks each sequence uses (those below cdiv(seq_len, block_size)), dequantized into a new
+    token-major float cache of B * width blocks (sequence b's block j at b * width + j; the rest zeros), with its
+    block table arange(B * width).view(B, width). Returns (K copy, V copy, block table)."""
+    nb, page, hkv, d = k_cache.shape
+    b, width = block_tables.shape
+    k_out = torch.zeros((b * width, page, hkv, d), dtype=dtype, device=k_cache.device)
+    v_out = torch.zeros_like(k_out)
+    v_tok = v_token_major(k_cache, v_cache)
+    for i, length in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, : (length + page - 1) // page].long()
+        k_out[i * width: i * width + len(blocks)] = dequantize_groups(k_cache[blocks], k_scale[blocks], dtype)
+        v_out[i * width: i * width + len(blocks)] = dequantize_groups(v_tok[blocks], v_scale[blocks], dtype)
+    table = torch.arange(b * width, dtype=torch.int32, device=k_cache.device).view(b, width)
+    return k_out, v_out, table
+
+
 # --- attention ---------------------------------------------------------------------------
 
 

@@ -303,6 +303,29 @@ def test_prefill_long_prompt_configs_match_reference(monkeypatch, dtype, cache, 
 
 
 @cpu_only
+@pytest.mark.parametrize("dtype,d,hkv,page,group", [(torch.float16, 64, 3, 16, 32), (torch.float32, 128, 2, 8, 128)])
+def test_dequantize_blocks_matches_reference(dtype, d, hkv, page, group):
+    """kv_dequant's kernel writes each sequence's live blocks (stale slots of a last block included, NaN here)
+    exactly as the reference does, and reads no block-table entry past a sequence's end (they are -1)."""
+    from eightbit.kernels.kv_dequant import dequantize_blocks
+
+    sc = Scenario([(200, 1), (1, 1), (37, 37), (0, 0), (131, 5)], hkv, hkv, d, torch.int8, group, page=page,
+                  share_prefix_blocks=2, seed=d)
+    args = (*sc.caches, sc.block_tables, sc.seq_lens, dtype)
+    k, v, table = dequantize_blocks(*args)
+    rk, rv, rtable = R.dequantize_blocks(*args)
+    width = sc.block_tables.shape[1]
+    assert table.dtype == torch.int32 and torch.equal(table, rtable)
+    assert k.shape == rk.shape == (len(sc.seqs) * width, page, hkv, d) and k.dtype == dtype
+    for b, (length, _) in enumerate(sc.seqs):
+        live = slice(b * width, b * width + -(-length // page))
+        torch.testing.assert_close(k[live], rk[live], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v[live], rv[live], rtol=0, atol=0, equal_nan=True)
+        assert torch.isfinite(k[live].flatten(0, 1)[:length]).all()  # the sequence's own tokens
+        assert torch.isfinite(v[live].flatten(0, 1)[:length]).all()
+
+
+@cpu_only
 def test_prefill_int64_metadata_and_empty_sequence():
     sc = Scenario([(40, 0), (33, 9), (5, 5)], 4, 2, 64, torch.int8, 32, seed=3)
     q = torch.randn(sc.T, 4, 64, dtype=torch.float16)
@@ -525,6 +548,46 @@ def test_gpu_prefill_ws_kernel(monkeypatch, dtype, d, hq, hkv, page, int64_meta)
     triton_out = prefill_attention(*args)
     assert calls == [1]
     torch.testing.assert_close(ws.float(), triton_out.float(), rtol=0.02, atol=0.02)
+
+
+@gpu
+@pytest.mark.parametrize("d,hq,hkv,group", [(128, 32, 8, 32), (128, 12, 3, 128), (64, 8, 1, 32)])
+def test_gpu_prefill_int8_via_float_copy(monkeypatch, d, hq, hkv, group):
+    """An int8-cache prefill with enough tokens per sequence runs on a dequantized bf16 copy of its blocks through
+    the Gluon kernel: FlashAttention's rule against float64 on the dequantized cache (unused slots NaN), within
+    bf16 rounding of the int8 Triton kernel; below MIN_TOKENS per sequence and MIN_CONTEXT, or above MAX_BYTES,
+    the Triton kernel; a long context alone takes the copy."""
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels import kv_dequant
+
+    monkeypatch.setitem(C.PREFILL_WS, 64, dict(C.PREFILL_WS[128]))
+    seqs = [(1, 1), (1000, 1000), (2100, 333), (40, 0), (777, 1), (4096, 600), (130, 129)]
+    sc = Scenario(seqs, hq, hkv, d, torch.int8, group, share_prefix_blocks=3, device="cuda", seed=d + group)
+    q = torch.randn(sc.T, hq, d, device="cuda", dtype=torch.bfloat16)
+    args = (q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, d ** -0.5)
+    calls = []
+    real = kv_dequant.dequantize_blocks
+    monkeypatch.setattr(kv_dequant, "dequantize_blocks", lambda *a: calls.append(1) or real(*a))
+    assert sc.T >= len(seqs) * C.PREFILL_INT8_VIA_FLOAT_MIN_TOKENS
+    out = prefill_attention(*args)
+    torch.cuda.synchronize()
+    assert calls == [1]
+    _check_fa_rule(out, q, sc, d ** -0.5)
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT", False)
+    triton_out = prefill_attention(*args)
+    torch.testing.assert_close(out.float(), triton_out.float(), rtol=0.02, atol=0.02)
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT", True)
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT_MIN_TOKENS", sc.T // len(seqs) + 1)
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT_MIN_CONTEXT", sc.block_tables.shape[1] * sc.page + 1)
+    torch.testing.assert_close(prefill_attention(*args), triton_out, rtol=0, atol=0)
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT_MIN_CONTEXT", sc.block_tables.shape[1] * sc.page)
+    torch.testing.assert_close(prefill_attention(*args), out, rtol=0, atol=0)  # a long context alone takes it
+    assert calls == [1, 1]
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT_MIN_CONTEXT", 1 << 30)
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT_MIN_TOKENS", 1)
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT_MAX_BYTES", 1 << 20)
+    torch.testing.assert_close(prefill_attention(*args), triton_out, rtol=0, atol=0)
+    assert calls == [1, 1]
 
 
 @gpu

@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from eightbit.kernels import attention_configs as C
+    from eightbit.kernels.kv_dequant import _dequant_blocks_kernel
     from eightbit.kernels.kv_write import _rope_kv_write_kernel
     from eightbit.kernels.prefill_attention import _prefill_kernel
     from eightbit.kernels.decode_attention import _decode_kernel, _decode_reduce_kernel
@@ -71,6 +72,11 @@ SCRIPT = textwrap.dedent(
                           BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), QUANT=kind == "int8",
                           COMPILED=True)
             build(name, _prefill_kernel, ptrs, {"qk_scale": "fp32"}, consts, cfg)
+        for d in (64, 128):
+            ptrs = {"k_ptr": "*i8", "v_ptr": "*i8", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16",
+                    "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "k_out_ptr": "*bf16", "v_out_ptr": "*bf16"}
+            build(f"kv_dequant d{d}", _dequant_blocks_kernel, ptrs, {}, dict(HKV=8, PAGE=16, D=d, GROUP=32),
+                  dict(num_warps=4))
     elif which == "decode":
         for (d, kind), cfg in sorted(C.DECODE.items()):
             for splits, page in ((1, 16), (8, 16), (8, 8), (8, 32)):
@@ -114,7 +120,7 @@ def test_attention_kernels_compile_for_sm90(which):
     for r in results:
         assert r["cubin"] > 0, r
         assert r["shared"] <= HOPPER_SMEM, r
-        if not r["name"].startswith(("kv_write", "reduce")):
+        if not r["name"].startswith(("kv_write", "kv_dequant", "reduce")):
             assert r["ptx_has_mma"], f"{r['name']}: no tensor-core instructions in the PTX"
             # int8 tiles must move by vector copies: byte loads mean a lost contiguity hint or layout
             assert r["byte_loads"] == 0, f"{r['name']}: {r['byte_loads']} single-byte loads in the PTX"
