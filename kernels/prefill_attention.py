@@ -24,7 +24,8 @@ keys), via a small tile -> (sequence, tile) map built on the device with no host
 per step (see _tile_map).
 
 On sm_90 a float cache at the head_dims of attention_configs.PREFILL_WS runs the warp-specialized Gluon kernel
-of prefill_attention_hopper.py instead (same contract and tile map; `_ws_ok` decides).
+of prefill_attention_hopper.py instead (same contract and tile map; `_ws_ok` decides), and so does a long
+int8-cache prefill, on a bf16 copy of its blocks made by kv_dequant.py (`_int8_via_float` decides).
 
 Requirements: q [T, Hq, D] float16/bfloat16/float32 with a contiguous last dim; power-of-two
 head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_lens [B]

@@ -27,9 +27,9 @@ Against the Triton kernel and SDPA (same process, H100, docs/benchmarks/attentio
 at 1k 321 against 259, 478 and 272; at 512 no gain (195 against 194: a program's start and end dominate).
 head_dim 64 runs too (the GPU tests force it) but was slower than the Triton kernel up to 4k, so the table
 leaves it out.
-prefill_attention takes it for every call ws_ok accepts (attention_configs.PREFILL_WS). Gluon has no CPU
-interpreter: on the CPU, on other GPUs, for the int8 cache and for shapes ws_ok rejects, the Triton kernel
-runs. A CPU test compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule.
+prefill_attention takes it for every call ws_ok accepts (attention_configs.PREFILL_WS), and for long int8-cache
+prefills on a bf16 copy of their blocks (kv_dequant.py). Gluon has no CPU interpreter: on the CPU, on other GPUs,
+for short int8-cache prefills and for shapes ws_ok rejects, the Triton kernel runs. A CPU test compiles this kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule.
 """
 
 import functools
