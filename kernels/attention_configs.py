@@ -38,7 +38,7 @@ PREFILL_LONG = {
 
 # The warp-specialized Gluon prefill (prefill_attention_hopper.py: a bfloat16/float16 cache on sm_90) takes every
 # call it can run: head_dim -> keys per tile and ring slots. Same process, H100, 16k tokens per call (attention.md,
-# thirteenth session): 128 keys and 3 slots read 546 TFLOP/s at 4k, against 487 with 2 slots and no overlap inside
+# thirteenth session, one program per work item): 128 keys and 3 slots read 546 TFLOP/s at 4k, against 487 with 2 slots and no overlap inside
 # the warp group, 424 with 2 slots and the overlap, 378 for the Triton kernel. At d = 64 every tried setting was
 # slower than the Triton kernel up to 4k (329 against 335 at 4k), so head_dim 64 is not in the table.
 PREFILL_WS_ENABLED = True
@@ -47,12 +47,14 @@ PREFILL_WS = {
 }
 
 # An int8-cache prefill on sm_90 can dequantize the blocks its sequences use into a float copy once per call
-# (kv_dequant.py) and run the Gluon kernel on it. Taken when the call has at least MIN_TOKENS query tokens per
-# sequence, or a context of MIN_CONTEXT keys or more (block_tables' width, the step's longest), and the copy (K and
-# V, q's dtype) is at most MAX_BYTES: transient memory outside the KV-cache budget, 33.5 MB per 8k-token sequence
-# of Llama-3-8B. Same process, H100, against the int8 Triton kernel (attention.md, thirteenth session): full
-# prefills 0.7x at 64 tokens, 0.8x at 128, 1.1x at 256, 1.4x at 512, 1.7-2.3x from 1k on; chunks of 16-1,024
-# queries after 8k or 32k keys 2.0-4.4x; chunks of 16-64 queries after 2k keys 0.6-0.9x.
+# (kv_dequant.py) and run the Gluon kernel on it. Taken when the call averages at least MIN_TOKENS query tokens per
+# sequence, or spans MIN_CONTEXT keys or more (block_tables' width: the engine passes the prefill sequences'
+# columns), and the copy (K and V, in q's dtype) is at most MAX_BYTES: transient memory, which the engine keeps out
+# of the KV-cache budget (33.5 MB per 8k-token sequence of Llama-3-8B). Never inside CUDA-graph capture.
+# Same process, H100, against the int8 Triton kernel (attention.md, thirteenth session, persistent Gluon grid):
+# full prefills 1.1x at 64 tokens, 1.3x at 128, 1.5x at 256, 1.8x at 512, 2.0-2.4x from 1k on; chunks of
+# 16-1,024 queries after 8k or 32k keys 2.0-4.4x; but chunks of 16-256 queries after 2k keys 0.5-0.9x, so the
+# token threshold stays at 256.
 PREFILL_INT8_VIA_FLOAT = True
 PREFILL_INT8_VIA_FLOAT_MIN_TOKENS = 256
 PREFILL_INT8_VIA_FLOAT_MIN_CONTEXT = 8192

@@ -397,9 +397,14 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
         from .kv_dequant import dequantize_blocks
         from .prefill_attention_hopper import TILE_M, launch_ws
 
-        k_copy, v_copy, table = dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q.dtype)
-        return launch_ws(q, k_copy, v_copy, table, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E, out,
-                         _tile_map(cu_seqlens_q, t, TILE_M))
+        try:
+            k_copy, v_copy, table = dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                                                      q.dtype)
+        except torch.cuda.OutOfMemoryError:
+            pass  # no room for the transient copy: the Triton kernel below reads the int8 cache itself
+        else:
+            return launch_ws(q, k_copy, v_copy, table, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E, out,
+                             _tile_map(cu_seqlens_q, t, TILE_M))
     cfg = prefill_config(d, k_cache.dtype, t // b)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bound, tile_seq, tile_idx = _tile_map(cu_seqlens_q, t, bm)
@@ -434,9 +439,13 @@ def _ws_ok(q, k_cache, v_cache):
 
 def _int8_via_float(q, k_cache, block_tables):
     """Whether an int8-cache prefill runs as a dequantized float copy of its blocks (kv_dequant.py) through the
-    Hopper kernel: enough query tokens per sequence or a long context, a small enough copy (attention_configs),
-    and a copy that the Hopper kernel takes."""
+    Hopper kernel: enough query tokens per sequence on average, or a long context (block_tables' width: the
+    engine passes only the prefill sequences' columns), a small enough copy (attention_configs), a copy that the
+    Hopper kernel takes, and no CUDA-graph capture (a captured table is max_model_len wide whatever the context,
+    and the graphs' memory pool is kept small)."""
     if not attention_configs.PREFILL_INT8_VIA_FLOAT or not q.is_cuda or not compiled():
+        return False
+    if torch.cuda.is_current_stream_capturing():
         return False
     b, width = block_tables.shape
     _, page, hkv, d = k_cache.shape

@@ -99,6 +99,14 @@ class Scenario:
         self.T = int(cu[-1])
 
 
+def poison_block_zero(sc):
+    """Renumber sc's blocks from 1 and put an unused poisoned block at 0: the Gluon prefill copies the pages past a
+    sequence's end from physical block 0."""
+    sc.caches = tuple(None if c is None else torch.cat([torch.full_like(c[:1], float("nan") if c.is_floating_point()
+                                                                        else 77), c]) for c in sc.caches)
+    sc.block_tables = torch.where(sc.block_tables >= 0, sc.block_tables + 1, sc.block_tables)
+
+
 def poison_alloc(monkeypatch):
     """Make the wrappers' output allocations NaN-filled, so unwritten elements show up."""
     orig_empty_like, orig_empty = torch.empty_like, torch.empty
@@ -304,15 +312,22 @@ def test_prefill_long_prompt_configs_match_reference(monkeypatch, dtype, cache, 
 
 @cpu_only
 @pytest.mark.parametrize("dtype,d,hkv,page,group", [(torch.float16, 64, 3, 16, 32), (torch.float32, 128, 2, 8, 128)])
-def test_dequantize_blocks_matches_reference(dtype, d, hkv, page, group):
+def test_dequantize_blocks_matches_reference(monkeypatch, dtype, d, hkv, page, group):
     """kv_dequant's kernel writes each sequence's live blocks (stale slots of a last block included, NaN here)
-    exactly as the reference does, and reads no block-table entry past a sequence's end (they are -1)."""
+    exactly as the reference does, and nothing else: the blocks past a sequence's end keep a sentinel (their
+    block-table entries are -1, so a read through one would also show)."""
+    from eightbit.kernels import kv_dequant
     from eightbit.kernels.kv_dequant import dequantize_blocks
+
 
     sc = Scenario([(200, 1), (1, 1), (37, 37), (0, 0), (131, 5)], hkv, hkv, d, torch.int8, group, page=page,
                   share_prefix_blocks=2, seed=d)
     args = (*sc.caches, sc.block_tables, sc.seq_lens, dtype)
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(kv_dequant.torch, "empty", lambda *a, **kw: torch.full(*a, 1234.0, **kw))
+    monkeypatch.setattr(kv_dequant.torch, "empty_like", lambda x: real_empty_like(x).fill_(1234.0))
     k, v, table = dequantize_blocks(*args)
+    monkeypatch.undo()
     rk, rv, rtable = R.dequantize_blocks(*args)
     width = sc.block_tables.shape[1]
     assert table.dtype == torch.int32 and torch.equal(table, rtable)
@@ -321,6 +336,8 @@ def test_dequantize_blocks_matches_reference(dtype, d, hkv, page, group):
         live = slice(b * width, b * width + -(-length // page))
         torch.testing.assert_close(k[live], rk[live], rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(v[live], rv[live], rtol=0, atol=0, equal_nan=True)
+        rest = slice(live.stop, (b + 1) * width)
+        assert (k[rest] == 1234.0).all() and (v[rest] == 1234.0).all()
         assert torch.isfinite(k[live].flatten(0, 1)[:length]).all()  # the sequence's own tokens
         assert torch.isfinite(v[live].flatten(0, 1)[:length]).all()
 
@@ -518,17 +535,22 @@ def test_gpu_prefill_long_prompts_bf16(cache, d, hq, hkv):
 @pytest.mark.parametrize("dtype,d,hq,hkv,page", [
     (torch.bfloat16, 128, 32, 8, 16), (torch.bfloat16, 64, 12, 3, 16), (torch.bfloat16, 128, 8, 8, 64),
     (torch.float16, 128, 16, 2, 32), (torch.bfloat16, 64, 8, 1, 8)])
-@pytest.mark.parametrize("int64_meta", [False, True])
-def test_gpu_prefill_ws_kernel(monkeypatch, dtype, d, hq, hkv, page, int64_meta):
+@pytest.mark.parametrize("int64_meta,small_grid", [(False, False), (True, False), (False, True)])
+def test_gpu_prefill_ws_kernel(monkeypatch, dtype, d, hq, hkv, page, int64_meta, small_grid):
     """The warp-specialized Gluon prefill (taken for every float-cache call on sm_90): FlashAttention's rule
     against float64 while every unused cache slot holds NaN (V's rows past a sequence's end are zeroed in
-    shared memory), an empty chunk, and within bf16/fp16 rounding of the Triton kernel."""
+    shared memory), an empty chunk, and within bf16/fp16 rounding of the Triton kernel. small_grid: a grid of
+    3 programs, so each walks many work items (and dead tile-map entries) through one ring."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import prefill_attention_hopper as H
 
+    if small_grid:
+        monkeypatch.setattr(H, "sm_count", lambda device: 3)
+
     monkeypatch.setitem(C.PREFILL_WS, 64, dict(C.PREFILL_WS[128]))  # the kernel runs d = 64; the table leaves it out
-    seqs = [(1, 1), (1000, 1000), (2100, 333), (40, 0), (777, 1), (4096, 600), (130, 129), (64, 64)]
+    seqs = [(1, 1), (1000, 1000), (2100, 333), (40, 0), (777, 1), (4096, 600), (130, 129), (64, 64), (100, 1)]
     sc = Scenario(seqs, hq, hkv, d, dtype, d, page=page, share_prefix_blocks=3, device="cuda", seed=d + page)
+    poison_block_zero(sc)
     q = torch.randn(sc.T, hq, d, device="cuda", dtype=dtype)
     meta = (sc.block_tables, sc.cu, sc.seq_lens)
     if int64_meta:
@@ -544,27 +566,34 @@ def test_gpu_prefill_ws_kernel(monkeypatch, dtype, d, hq, hkv, page, int64_meta)
     if dtype == torch.bfloat16:
         _check_fa_rule(ws, q, sc, d ** -0.5)
     assert torch.isfinite(ws).all()
+    for _ in range(2):  # deterministic: a race between the partitions would show as changed bits
+        torch.testing.assert_close(prefill_attention(*args), ws, rtol=0, atol=0)
     monkeypatch.setattr(C, "PREFILL_WS_ENABLED", False)
     triton_out = prefill_attention(*args)
-    assert calls == [1]
+    assert calls == [1, 1, 1]
     torch.testing.assert_close(ws.float(), triton_out.float(), rtol=0.02, atol=0.02)
 
 
 @gpu
-@pytest.mark.parametrize("d,hq,hkv,group", [(128, 32, 8, 32), (128, 12, 3, 128), (64, 8, 1, 32)])
-def test_gpu_prefill_int8_via_float_copy(monkeypatch, d, hq, hkv, group):
+@pytest.mark.parametrize("d,hq,hkv,group,int64_meta", [(128, 32, 8, 32, False), (128, 12, 3, 128, True),
+                                                      (64, 8, 1, 32, False)])
+def test_gpu_prefill_int8_via_float_copy(monkeypatch, d, hq, hkv, group, int64_meta):
     """An int8-cache prefill with enough tokens per sequence runs on a dequantized bf16 copy of its blocks through
     the Gluon kernel: FlashAttention's rule against float64 on the dequantized cache (unused slots NaN), within
     bf16 rounding of the int8 Triton kernel; below MIN_TOKENS per sequence and MIN_CONTEXT, or above MAX_BYTES,
-    the Triton kernel; a long context alone takes the copy."""
+    the Triton kernel; a long context alone takes the copy; with no memory for the copy, the Triton kernel."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import kv_dequant
 
     monkeypatch.setitem(C.PREFILL_WS, 64, dict(C.PREFILL_WS[128]))
     seqs = [(1, 1), (1000, 1000), (2100, 333), (40, 0), (777, 1), (4096, 600), (130, 129)]
     sc = Scenario(seqs, hq, hkv, d, torch.int8, group, share_prefix_blocks=3, device="cuda", seed=d + group)
+    poison_block_zero(sc)
     q = torch.randn(sc.T, hq, d, device="cuda", dtype=torch.bfloat16)
-    args = (q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, d ** -0.5)
+    meta = (sc.block_tables, sc.cu, sc.seq_lens)
+    if int64_meta:
+        meta = tuple(t.long() for t in meta)
+    args = (q, *sc.caches, *meta, d ** -0.5)
     calls = []
     real = kv_dequant.dequantize_blocks
     monkeypatch.setattr(kv_dequant, "dequantize_blocks", lambda *a: calls.append(1) or real(*a))
@@ -589,6 +618,28 @@ def test_gpu_prefill_int8_via_float_copy(monkeypatch, d, hq, hkv, group):
     torch.testing.assert_close(prefill_attention(*args), triton_out, rtol=0, atol=0)
     assert calls == [1, 1]
 
+    def no_memory(*a):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(C, "PREFILL_INT8_VIA_FLOAT_MAX_BYTES", 1 << 40)
+    monkeypatch.setattr(kv_dequant, "dequantize_blocks", no_memory)
+    torch.testing.assert_close(prefill_attention(*args), triton_out, rtol=0, atol=0)  # no room: the Triton kernel
+
+
+@gpu
+@pytest.mark.parametrize("page", [16, 128])
+def test_gpu_prefill_ws_kernel_short_prompt(page):
+    """A call with fewer query rows than a consumer's 64 (the Q box runs past q's end), and pages as wide as a key
+    tile (one copy per tile), against float64."""
+    from eightbit.kernels import prefill_attention_hopper as H
+
+    sc = Scenario([(20, 20)], 8, 2, 128, torch.bfloat16, 128, page=page, device="cuda", seed=page)
+    poison_block_zero(sc)
+    q = torch.randn(sc.T, 8, 128, device="cuda", dtype=torch.bfloat16)
+    assert H.ws_ok(q, sc.caches[0], sc.caches[1])
+    out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, 128 ** -0.5)
+    _check_fa_rule(out, q, sc, 128 ** -0.5)
+
 
 @gpu
 def test_gpu_prefill_ws_kernel_declines_what_it_cannot_run():
@@ -601,6 +652,9 @@ def test_gpu_prefill_ws_kernel_declines_what_it_cannot_run():
     kc, vc = sc.caches[:2]
     assert H.ws_ok(q, kc, vc)
     assert not H.ws_ok(q.half(), kc, vc)
+    assert not H.ws_ok(q.float(), kc, vc)
+    unaligned = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    assert unaligned.is_contiguous() and not H.ws_ok(unaligned, kc, vc)
     assert not H.ws_ok(q, kc[:, :, :1], vc[:, :, :1])  # non-contiguous cache view
     assert not H.ws_ok(torch.randn(sc.T, 8, 256, device="cuda", dtype=torch.bfloat16)[:, :, :128], kc, vc)
     i8 = Scenario([(100, 100)], 8, 2, 128, torch.int8, 32, device="cuda")

@@ -184,7 +184,7 @@ def test_decode_ws_kernel_compiles_for_sm90():
 
 WS_PREFILL_SCRIPT = textwrap.dedent(
     r"""
-    import json, torch, triton
+    import json, re, torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -206,7 +206,7 @@ WS_PREFILL_SCRIPT = textwrap.dedent(
                    "v_desc": desc([16, d], kv_layout), "out_ptr": ptr, "qk_scale": "fp32"}
             sig.update({a: "*i32" for a in fn.arg_names if a.endswith("_ptr") and a not in sig})
             sig.update({a: "i32" for a in fn.arg_names if a not in sig})
-            consts = dict(QPK=4, BN=cfg["BLOCK_N"], STAGES=cfg["STAGES"], S_L=s_l, O_L=o_l, KV_LAYOUT=kv_layout)
+            consts = dict(HQ=32, QPK=4, BN=cfg["BLOCK_N"], STAGES=cfg["STAGES"], S_L=s_l, O_L=o_l, KV_LAYOUT=kv_layout)
             sig.update({n: "constexpr" for n in consts})
             attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("out_ptr", "stride_ot", "stride_oh")}
             k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
@@ -215,7 +215,7 @@ WS_PREFILL_SCRIPT = textwrap.dedent(
             results.append(dict(d=d, dtype=ptr, shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
                                 wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor.2d"),
                                 setmaxnreg=ptx.count("setmaxnreg"), fence=ptx.count("fence.proxy.async"),
-                                partition_barrier=ptx.count("bar.sync \t2, 128;")))
+                                partition_barrier=len(re.findall(r"bar\.sync\s+[1-9]\d*,\s*128;", ptx))))
     print("RESULTS " + json.dumps(results))
     """
 )
