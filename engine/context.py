@@ -22,6 +22,8 @@ class Context:
     # [B - num_decodes + 1] int32 offsets of the prefill sequences' new tokens, from row num_decodes
     cu_seqlens_q: torch.Tensor | None = None
     num_decodes: int = 0
+    # host int: block-table entries the prefill sequences use (their longest table); None = the whole width
+    prefill_width: int | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -99,6 +99,13 @@ class LLMEngine:
         a = self.model.attention_layers()
         return kv_bytes_per_token(len(a), a[0].num_kv_heads, a[0].head_dim, self.kv_dtype, self.kv_group_size)
 
+    def _transient_attention_bytes(self) -> int:
+        """Room for the bf16 copy that long int8-cache prefills dequantize their blocks into (kernels/kv_dequant.py);
+        the profiled step's own copy is smaller than the largest a step may take."""
+        from eightbit.kernels import attention_configs
+
+        return attention_configs.PREFILL_INT8_VIA_FLOAT_MAX_BYTES if self.kv_dtype == torch.int8 else 0
+
     def _num_kv_blocks(self) -> int:
         c = self.config
         bytes_per_block = self.kv_bytes_per_token * c.block_size
@@ -111,7 +118,8 @@ class LLMEngine:
                                                    self.kv_dtype, self.kv_group_size)
             free, total = torch.cuda.mem_get_info()
             other_processes = total - free - torch.cuda.memory_reserved()
-            budget = total * c.gpu_memory_utilization - other_processes - peak - GRAPH_RESERVE_BYTES
+            budget = (total * c.gpu_memory_utilization - other_processes - peak - GRAPH_RESERVE_BYTES
+                      - self._transient_attention_bytes())
             num_blocks = max(int(budget // bytes_per_block), 0)
         capacity = num_blocks * c.block_size
         if capacity < self.max_model_len:

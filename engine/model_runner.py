@@ -127,7 +127,7 @@ class ModelRunner:
         dev = self.device
         context = Context(*(t.to(dev, non_blocking=True) for t in (
             context.slot_mapping, context.block_tables, context.seq_lens, context.cu_seqlens_q)),
-            num_decodes=context.num_decodes)
+            num_decodes=context.num_decodes, prefill_width=context.prefill_width)
         set_context(context)
         try:
             return self.model(input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True))
@@ -188,6 +188,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             cu_seqlens_q=torch.tensor([c - nd for c in cu[nd:]], dtype=torch.int32),
             num_decodes=nd,
+            prefill_width=max((len(t) for t in block_tables[nd:]), default=0),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64) if input_tokens is None else input_tokens
         pos = torch.tensor(positions, dtype=torch.int64)
