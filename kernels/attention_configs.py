@@ -38,11 +38,13 @@ PREFILL_LONG = {
 
 # The warp-specialized Gluon prefill (prefill_attention_hopper.py: a bfloat16/float16 cache on sm_90) takes every
 # call it can run: head_dim -> keys per tile and ring slots. Same process, H100, 16k tokens per call (attention.md,
-# thirteenth session, one program per work item): 128 keys and 3 slots read 546 TFLOP/s at 4k, against 487 with 2 slots and no overlap inside
-# the warp group, 424 with 2 slots and the overlap, 378 for the Triton kernel. At d = 64 every tried setting was
-# slower than the Triton kernel up to 4k (329 against 335 at 4k), so head_dim 64 is not in the table.
+# thirteenth session). d = 128, one program per work item: 128 keys and 3 slots read 546 TFLOP/s at 4k, against
+# 487 with 2 slots and no overlap inside the warp group, 424 with 2 slots and the overlap, 378 for the Triton
+# kernel. d = 64, persistent grid: 128 keys and 4 slots beat the Triton kernel at every length, 117 against 111
+# TFLOP/s at 256 tokens, 264 against 240 at 1k, 378 against 329 at 4k (3 slots: 89 at 256, 381 at 4k).
 PREFILL_WS_ENABLED = True
 PREFILL_WS = {
+    64: dict(BLOCK_N=128, STAGES=4),
     128: dict(BLOCK_N=128, STAGES=3),
 }
 

@@ -547,7 +547,6 @@ def test_gpu_prefill_ws_kernel(monkeypatch, dtype, d, hq, hkv, page, int64_meta,
     if small_grid:
         monkeypatch.setattr(H, "sm_count", lambda device: 3)
 
-    monkeypatch.setitem(C.PREFILL_WS, 64, dict(C.PREFILL_WS[128]))  # the kernel runs d = 64; the table leaves it out
     seqs = [(1, 1), (1000, 1000), (2100, 333), (40, 0), (777, 1), (4096, 600), (130, 129), (64, 64), (100, 1)]
     sc = Scenario(seqs, hq, hkv, d, dtype, d, page=page, share_prefix_blocks=3, device="cuda", seed=d + page)
     poison_block_zero(sc)
@@ -585,7 +584,6 @@ def test_gpu_prefill_int8_via_float_copy(monkeypatch, d, hq, hkv, group, int64_m
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import kv_dequant
 
-    monkeypatch.setitem(C.PREFILL_WS, 64, dict(C.PREFILL_WS[128]))
     seqs = [(1, 1), (1000, 1000), (2100, 333), (40, 0), (777, 1), (4096, 600), (130, 129)]
     sc = Scenario(seqs, hq, hkv, d, torch.int8, group, share_prefix_blocks=3, device="cuda", seed=d + group)
     poison_block_zero(sc)
