@@ -9,8 +9,9 @@ int8 Triton kernel. prefill_attention decides when (attention_configs.PREFILL_IN
 
 Layout of the copy: sequence b's block j goes to block b * width + j (width = block_tables.shape[1]), token-major
 for K and V alike ([blocks, page, Hkv, D], the float cache layout), so its block table is arange(B * width)
-viewed [B, width]. Only blocks below cdiv(seq_len, page) are written; a sequence's last block is dequantized
-whole, including the stale slots past its end (the attention kernels never use them).
+viewed [B, width]. Only blocks below cdiv(seq_len, page) are written (the reference zero-fills the others; here
+they stay as allocated); a sequence's last block is dequantized whole, including the stale slots past its end
+(the attention kernels never use them).
 One program per (block j, sequence b, kv head h): a [page, D] tile of K and of V (V read key-minor).
 """
 
