@@ -24,8 +24,8 @@ keys), via a small tile -> (sequence, tile) map built on the device with no host
 per step (see _tile_map).
 
 On sm_90 a float cache at the head_dims of attention_configs.PREFILL_WS runs the warp-specialized Gluon kernel
-of prefill_attention_hopper.py instead (same contract and tile map; `_ws_ok` decides), and so does a long
-int8-cache prefill, on a bf16 copy of its blocks made by kv_dequant.py (`_int8_via_float` decides).
+of prefill_attention_hopper.py instead (same contract and tile map), and so does a long int8-cache prefill, on
+a bf16 copy of its blocks made by kv_dequant.py (`_hopper_operands` decides).
 
 Requirements: q [T, Hq, D] float16/bfloat16/float32 with a contiguous last dim; power-of-two
 head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_lens [B]
@@ -388,23 +388,12 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0 or b == 0:
         return out
-    if not quant and _ws_ok(q, k_cache, v_cache):
+    hopper = _hopper_operands(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, quant)
+    if hopper is not None:
         from .prefill_attention_hopper import TILE_M, launch_ws
 
-        return launch_ws(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E,
-                         out, _tile_map(cu_seqlens_q, t, TILE_M))
-    if quant and _int8_via_float(q, k_cache, block_tables):
-        from .kv_dequant import dequantize_blocks
-        from .prefill_attention_hopper import TILE_M, launch_ws
-
-        try:
-            k_copy, v_copy, table = dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                                                      q.dtype)
-        except torch.cuda.OutOfMemoryError:
-            pass  # no room for the transient copy: the Triton kernel below reads the int8 cache itself
-        else:
-            return launch_ws(q, k_copy, v_copy, table, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E, out,
-                             _tile_map(cu_seqlens_q, t, TILE_M))
+        return launch_ws(q, *hopper, cu_seqlens_q, seq_lens, float(softmax_scale) * LOG2E, out,
+                         _tile_map(cu_seqlens_q, t, TILE_M))
     cfg = prefill_config(d, k_cache.dtype, t // b)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bound, tile_seq, tile_idx = _tile_map(cu_seqlens_q, t, bm)
@@ -427,14 +416,25 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     return out
 
 
-def _ws_ok(q, k_cache, v_cache):
-    """Whether the warp-specialized Hopper kernel (prefill_attention_hopper.py) takes this call: compiled CUDA
-    tensors over a float cache, and what its ws_ok asks."""
+def _hopper_operands(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, quant):
+    """(K cache, V cache, block table) for the warp-specialized Hopper kernel (prefill_attention_hopper.py), or
+    None when the Triton kernel runs: a float cache as it is, where that kernel's ws_ok takes it; an int8 cache as
+    a dequantized bf16 copy of its blocks (kv_dequant.py), where _int8_via_float says so and the copy fits in
+    memory (out of memory, the Triton kernel reads the int8 cache itself)."""
     if not q.is_cuda or not compiled():
-        return False
-    from .prefill_attention_hopper import ws_ok
+        return None
+    if not quant:
+        from .prefill_attention_hopper import ws_ok
 
-    return ws_ok(q, k_cache, v_cache)
+        return (k_cache, v_cache, block_tables) if ws_ok(q, k_cache, v_cache) else None
+    if not _int8_via_float(q, k_cache, block_tables):
+        return None
+    from .kv_dequant import dequantize_blocks
+
+    try:
+        return dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q.dtype)
+    except torch.cuda.OutOfMemoryError:
+        return None
 
 
 def _int8_via_float(q, k_cache, block_tables):
@@ -443,9 +443,7 @@ def _int8_via_float(q, k_cache, block_tables):
     engine passes only the prefill sequences' columns), a small enough copy (attention_configs), a copy that the
     Hopper kernel takes, and no CUDA-graph capture (a captured table is max_model_len wide whatever the context,
     and the graphs' memory pool is kept small)."""
-    if not attention_configs.PREFILL_INT8_VIA_FLOAT or not q.is_cuda or not compiled():
-        return False
-    if torch.cuda.is_current_stream_capturing():
+    if not attention_configs.PREFILL_INT8_VIA_FLOAT or torch.cuda.is_current_stream_capturing():
         return False
     b, width = block_tables.shape
     _, page, hkv, d = k_cache.shape
