@@ -43,13 +43,16 @@ GEMV_TILES = {  # M bucket -> (block_n, block_k, num_warps): <= ~64 accumulator 
 
 def ws_candidates():
     """The warp-specialized Gluon kernel (sm_90; int8_gemm_hopper.py): two 64-row consumer warp groups
-    (block_m 128, num_warps 4) under 208-213 KB of shared memory for the ring and the output tile. All of
+    (block_m 128, num_warps 4) under 172-213 KB of shared memory for the ring and the output tile. All of
     them are also tried at 64 < M <= 256: there a 128 x 64 tile reads twice its weight bytes of
     activations from L2 per K step, and wider tiles halve that traffic (gate_up at M = 256)."""
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
     return [C(128, 256, 64, 8, 1, 4, 6, "ws"), C(128, 256, 64, 16, 1, 4, 6, "ws"), C(128, 256, 128, 8, 1, 4, 3, "ws"),
-            C(128, 128, 128, 8, 1, 4, 4, "ws"), C(128, 128, 64, 8, 1, 4, 8, "ws")]
+            C(128, 128, 128, 8, 1, 4, 4, "ws"), C(128, 128, 64, 8, 1, 4, 8, "ws"),
+            # 192 = 128 + 64 wide: 8B qkv at M = 1024 is 8 x 32 of these (1.94 waves of 132 SMs) against 8 x 24
+            # of 256-wide tiles (1.45 waves, so two tile times) or 8 x 48 of 128-wide ones (a slower tile)
+            C(128, 192, 64, 8, 1, 4, 6, "ws"), C(128, 192, 64, 8, 1, 4, 7, "ws"), C(128, 192, 128, 8, 1, 4, 4, "ws")]
 
 
 def ws_narrow_candidates():

@@ -10,7 +10,8 @@ M is bucketed: a config tuned at bucket B serves every M in (previous bucket, B]
 A config names its kernel: "dot" (the tiled tensor-core kernel, any M), "gemv" (the dp4a
 weight-streaming kernel for M <= 8: block_m is then the activation rows per program, 1-8) or "ws"
 (the warp-specialized Gluon kernel for large M on sm_90, int8_gemm_hopper.py: block_m 128 = two
-64-row consumer warp groups, num_warps 4 = one warp group, split_k 1; falls back to "dot" elsewhere).
+64-row consumer warp groups, num_warps 4 = one warp group, split_k 1, block_n a power of two or the sum
+of two, e.g. 192; falls back to "dot" elsewhere).
 """
 
 import json

@@ -24,6 +24,12 @@ faster than the Triton kernels at M >= 512 on an H100, docs/benchmarks/gemm.md):
   arriving on its `empty` barrier (count 2: both consumers). The epilogue scales the accumulator
   in registers and stores it through shared memory with a TMA store (bf16/fp16 outputs) or, for
   fp32 outputs (tests, tuning), straight from registers;
+* a tile may be the sum of two powers of two wide (split_width: 192 = 128 + 64), since Gluon tensors
+  and shared buffers are powers of two: the B tile then comes as two TMA boxes into two buffers, each
+  consumer keeps two accumulators and issues two wgmmas per step, and the epilogue stores two pieces.
+  The 8B qkv projection (N = 6144) at M = 1024 is 8 x 32 such tiles, 1.94 waves of 132 SMs, against
+  8 x 24 tiles 256 wide (1.45 waves: two tile times) or 8 x 48 tiles 128 wide (a slower tile):
+  42.5 -> 37.9 us (docs/benchmarks/gemm.md, fourteenth session);
 * programs are persistent (one per SM) and walk tiles in grouped order, so the producer is already
   fetching the next tile while the consumers run their epilogue.
 
@@ -78,11 +84,12 @@ def _rows_offset(pid_m, half, M):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, M, num_pid_m, num_pid_n, k_tiles,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+def _producer(a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready, empty, M, num_pid_m, num_pid_n,
+              k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):
+    BN0: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = BN0 + TAIL * b1_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes + TAIL * b1_desc.block_type.nbytes
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -97,6 +104,9 @@ def _producer(a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, M, num_pid
             tma.async_copy_global_to_shared(a_desc, [off_m0, kk * BLOCK_K], bar, a0_bufs.index(slot))
             tma.async_copy_global_to_shared(a_desc, [off_m1, kk * BLOCK_K], bar, a1_bufs.index(slot))
             tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], bar, b_bufs.index(slot))
+            if TAIL:
+                tma.async_copy_global_to_shared(b1_desc, [pid_n * BLOCK_N + BN0, kk * BLOCK_K], bar,
+                                                b1_bufs.index(slot))
             step += 1
 
 
@@ -113,8 +123,8 @@ def _epilogue(acc, off_m, off_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c_desc, 
     if HAS_BIAS:
         b = gl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(gl.float32)
         out = out + gl.expand_dims(b, 0)
-    if TMA_STORE:  # rows and columns past the edge are dropped by the copy engine
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+    if TMA_STORE:  # rows and columns past the edge are dropped by the copy engine (the caller has waited
+        # for the previous tile's store to read c_smem)
         c_smem.store(out.to(c_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
@@ -124,44 +134,75 @@ def _epilogue(acc, off_m, off_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c_desc, 
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, stride_cm,
-              num_pid_m, num_pid_n, k_tiles, HALF: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAYOUT: gl.constexpr):
-    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+def _consumer(a_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N,
+              stride_cm, num_pid_m, num_pid_n, k_tiles, HALF: gl.constexpr, HAS_BIAS: gl.constexpr,
+              TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAYOUT: gl.constexpr,
+              TAIL: gl.constexpr, LAYOUT1: gl.constexpr):
+    """One 64-row half of each tile: [64, BN0] against b_bufs and, with a TAIL, [64, BN1] against b1_bufs
+    (a tile BN0 + BN1 wide, e.g. 128 + 64: a wgmma tile must be a power of two wide)."""
+    BN0: gl.constexpr = b_bufs.shape[1]
+    BN1: gl.constexpr = b1_bufs.shape[1]
     if TMA_STORE:
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        if TAIL:
+            c1_smem = gl.allocate_shared_memory(c1_desc.dtype, c1_desc.block_type.shape, c1_desc.layout)
+        else:
+            c1_smem = c_smem  # unused
     else:
         c_smem = a_bufs  # unused
+        c1_smem = a_bufs
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = gl.zeros([SUB_M, BLOCK_N], gl.int32, LAYOUT)
+        acc = gl.zeros([SUB_M, BN0], gl.int32, LAYOUT)
+        if TAIL:
+            acc1 = gl.zeros([SUB_M, BN1], gl.int32, LAYOUT1)
         for kk in range(k_tiles):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
                                 is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if TAIL:
+                acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot).permute((1, 0)), acc1, use_acc=kk > 0,
+                                     is_async=True)
+                acc, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc1))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # the previous step's wgmma has retired: its slot goes back to the producer
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
             step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if TAIL:
+            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-        _epilogue(acc, _rows_offset(pid_m, HALF, M), pid_n * BLOCK_N, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr,
-                  c_desc, c_smem, stride_cm, HAS_BIAS, TMA_STORE, BLOCK_N, LAYOUT)
+        off_m = _rows_offset(pid_m, HALF, M)
+        off_n = pid_n * (BN0 + TAIL * BN1)
+        if TMA_STORE:
+            tma.store_wait(pendings=0)  # the previous tile's stores have read c_smem (and c1_smem)
+        _epilogue(acc, off_m, off_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c_desc, c_smem, stride_cm, HAS_BIAS,
+                  TMA_STORE, BN0, LAYOUT)
+        if TAIL:
+            _epilogue(acc1, off_m, off_n + BN0, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c1_desc, c1_smem, stride_cm,
+                      HAS_BIAS, TMA_STORE, BN1, LAYOUT1)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _int8_gemm_ws_kernel(a_desc, b_desc, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K, stride_cm,
-                         HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, LAYOUT: gl.constexpr):
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+def _int8_gemm_ws_kernel(a_desc, b_desc, b1_desc, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K,
+                         stride_cm, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
+                         STAGES: gl.constexpr, LAYOUT: gl.constexpr, TAIL: gl.constexpr, LAYOUT1: gl.constexpr):
+    BN0: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = BN0 + TAIL * b1_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     a0_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, SUB_M, BLOCK_K], a_desc.layout)
     a1_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, SUB_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BN0, BLOCK_K], b_desc.layout)
+    if TAIL:
+        b1_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, b1_desc.block_type.shape[0], BLOCK_K], b1_desc.layout)
+    else:
+        b1_bufs = b_bufs  # unused
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -171,12 +212,14 @@ def _int8_gemm_ws_kernel(a_desc, b_desc, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     gl.warp_specialize([
-        (_consumer, (a0_bufs, b_bufs, ready, empty, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, stride_cm, num_pid_m,
-                     num_pid_n, k_tiles, 0, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT)),
-        (_consumer, (a1_bufs, b_bufs, ready, empty, c_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, stride_cm, num_pid_m,
-                     num_pid_n, k_tiles, 1, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT)),
-        (_producer, (a_desc, b_desc, a0_bufs, a1_bufs, b_bufs, ready, empty, M, num_pid_m, num_pid_n, k_tiles,
-                     GROUP_M, STAGES)),
+        (_consumer, (a0_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N,
+                     stride_cm, num_pid_m, num_pid_n, k_tiles, 0, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT, TAIL,
+                     LAYOUT1)),
+        (_consumer, (a1_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N,
+                     stride_cm, num_pid_m, num_pid_n, k_tiles, 1, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT, TAIL,
+                     LAYOUT1)),
+        (_producer, (a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready, empty, M, num_pid_m,
+                     num_pid_n, k_tiles, GROUP_M, STAGES, TAIL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -213,20 +256,34 @@ def _unused_output(device, dtype):
     return torch.empty(8, 16, dtype=dtype, device=device)
 
 
+def split_width(block_n):
+    """A tile block_n wide as (BN0, BN1): wgmma tiles and Gluon tensors are powers of two wide, so e.g. 192 runs
+    as 128 + 64 (two accumulators per consumer). BN1 = 0: one accumulator."""
+    bn0 = 1 << (block_n.bit_length() - 1)
+    bn1 = block_n - bn0
+    if bn1 & (bn1 - 1):
+        raise ValueError(f"a 'ws' tile is a power of two wide or the sum of two, got block_n={block_n}")
+    return bn0, bn1
+
+
 def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms):
     sub_m = ROWS_PER_CONSUMER
     if cfg.block_m != 2 * sub_m or cfg.num_warps != 4 or cfg.split_k != 1:
         raise ValueError(f"a 'ws' config has block_m={2 * sub_m}, num_warps=4 and split_k=1, got {cfg}")
+    bn0, bn1 = split_width(cfg.block_n)
     tma_store = _tma_store_ok(out)
-    c_block = (sub_m, cfg.block_n) if tma_store else (8, 16)
     c_target = out if tma_store else _unused_output(out.device, out.dtype)  # only its type matters then
+    c_dtype = _GL_DTYPES[out.dtype]
+    c_desc = _descriptor(c_target, (sub_m, bn0) if tma_store else (8, 16), c_dtype)
+    c1_desc = _descriptor(c_target, (sub_m, bn1), c_dtype) if bn1 and tma_store else c_desc
+    b_desc = _descriptor(w_q, (bn0, cfg.block_k), gl.int8)
+    b1_desc = _descriptor(w_q, (bn1, cfg.block_k), gl.int8) if bn1 else b_desc
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _launch_kernel((min(tiles, num_sms),), dict(
-        a_desc=_descriptor(x_q, (sub_m, cfg.block_k), gl.int8),
-        b_desc=_descriptor(w_q, (cfg.block_n, cfg.block_k), gl.int8),
-        c_desc=_descriptor(c_target, c_block, _GL_DTYPES[out.dtype]), xs_ptr=x_scale, ws_ptr=w_scale,
+        a_desc=_descriptor(x_q, (sub_m, cfg.block_k), gl.int8), b_desc=b_desc, b1_desc=b1_desc,
+        c_desc=c_desc, c1_desc=c1_desc, xs_ptr=x_scale, ws_ptr=w_scale,
         bias_ptr=bias if bias is not None else w_scale, c_ptr=out, M=m, N=n, K=k, stride_cm=out.stride(0),
         HAS_BIAS=bias is not None, TMA_STORE=tma_store, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        LAYOUT=accumulator_layout(cfg.block_n),
+        LAYOUT=accumulator_layout(bn0), TAIL=bn1 > 0, LAYOUT1=accumulator_layout(bn1 or bn0),
     ), num_warps=4, enable_fp_fusion=False)
     return out

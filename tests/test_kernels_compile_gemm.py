@@ -22,7 +22,8 @@ def _gemm_jobs():
 
     jobs = {(gc.GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), True), (gc.GemmConfig(8, 8, 512, 1, 2, 4, 1, "gemv"), False),
             (gc.GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), True),
-            (gc.GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws"), True)}
+            (gc.GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws"), True),
+            (gc.GemmConfig(128, 192, 64, 8, 1, 4, 6, "ws"), True)}
     shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
     for (mb, n, k), cfg in gc.table_entries().items():
         jobs.add((cfg, k % cfg.block_k == 0))
@@ -109,14 +110,17 @@ def _compile_ws(cfg):
         return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, H._GL_DTYPES.get(dtype, gl.int8))))
 
     fn = H._int8_gemm_ws_kernel
+    bn0, bn1 = H.split_width(cfg.block_n)
     shared = 0
     for out, tma_store in ((torch.bfloat16, True), (torch.float32, False)):
-        sig = {"a_desc": desc(torch.int8, [64, cfg.block_k]), "b_desc": desc(torch.int8, [cfg.block_n, cfg.block_k]),
-               "c_desc": desc(out, [64, cfg.block_n] if tma_store else [8, 16]), "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+        c_block = [64, bn0] if tma_store else [8, 16]
+        sig = {"a_desc": desc(torch.int8, [64, cfg.block_k]), "b_desc": desc(torch.int8, [bn0, cfg.block_k]),
+               "b1_desc": desc(torch.int8, [bn1 or bn0, cfg.block_k]), "c_desc": desc(out, c_block),
+               "c1_desc": desc(out, [64, bn1] if bn1 and tma_store else c_block), "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                "bias_ptr": "*bf16", "c_ptr": "*bf16" if tma_store else "*fp32", "M": "i32", "N": "i32", "K": "i32",
                "stride_cm": "i32"}
         consts = {"HAS_BIAS": True, "TMA_STORE": tma_store, "GROUP_M": cfg.group_m, "STAGES": cfg.num_stages,
-                  "LAYOUT": H.accumulator_layout(cfg.block_n)}
+                  "LAYOUT": H.accumulator_layout(bn0), "TAIL": bn1 > 0, "LAYOUT1": H.accumulator_layout(bn1 or bn0)}
         sig.update({name: "constexpr" for name in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("xs_ptr", "ws_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_cm")}
@@ -125,7 +129,10 @@ def _compile_ws(cfg):
         ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
         assert "wgmma.mma_async.sync.aligned" in ptx and "s32.s8.s8" in ptx, "int8 wgmma expected"
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, "TMA copies and warp specialization expected"
-        assert "1" in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one wgmma must stay in flight"
+        in_flight = str(2 if bn1 else 1)  # one step's wgmmas stay in flight (two with a second accumulator)
+        assert in_flight in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one step must stay in flight"
+        if bn1:
+            assert f"m64n{bn1}k32" in ptx, "the second accumulator's wgmma expected"
         shared = max(shared, k.metadata.shared)
     return cfg.key(), True, shared, None
 

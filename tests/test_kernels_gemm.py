@@ -156,7 +156,8 @@ def test_gemm_matches_reference_cpu(cfg, shape, out_dtype, with_bias):
                     exact=out_dtype == torch.float32)
 
 
-WS_CONFIGS = [GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws")]
+WS_CONFIGS = [GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws"),
+              GemmConfig(128, 192, 64, 8, 1, 4, 6, "ws")]  # 192 = 128 + 64: two accumulators per consumer
 
 
 @cpu
@@ -189,12 +190,23 @@ def test_gemm_ws_host_launch_arguments_cpu(monkeypatch):
         assert sorted(args) == sorted(H._int8_gemm_ws_kernel.arg_names)
         assert grid == (min(132, 3 * 5),) and args["TMA_STORE"] is tma_store and opts["num_warps"] == 4
         assert list(args["a_desc"].block_shape) == [64, 64] and list(args["b_desc"].block_shape) == [256, 64]
+        assert args["TAIL"] is False and args["b1_desc"] is args["b_desc"]
+    # 192 wide: a 128-wide and a 64-wide accumulator, each with its own weight and output boxes
+    for dtype, tma_store in ((torch.bfloat16, True), (torch.float32, False)):
+        H.launch_ws(xq, xs, wq, ws, None, torch.empty(m, n, dtype=dtype), m, n, k, WS_CONFIGS[2], 132)
+        grid, args, _ = calls[-1]
+        assert grid == (min(132, 3 * 6),) and args["TAIL"] is True
+        assert list(args["b_desc"].block_shape) == [128, 64] and list(args["b1_desc"].block_shape) == [64, 64]
+        assert list(args["c1_desc"].block_shape) == ([64, 64] if tma_store else [8, 16])
     unaligned = torch.empty(m, n + 3, dtype=torch.bfloat16)[:, :n]  # row stride of 1043 elements: no TMA store
     H.launch_ws(xq, xs, wq, ws, None, unaligned, m, n, k, WS_CONFIGS[0], 132)
     assert calls[-1][1]["TMA_STORE"] is False
     with pytest.raises(ValueError, match="block_m"):
         H.launch_ws(xq, xs, wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16), m, n, k,
                     GemmConfig(64, 256, 64, 8, 1, 4, 6, "ws"), 132)
+    with pytest.raises(ValueError, match="sum of two"):  # 160 + 64 would need a third accumulator
+        H.launch_ws(xq, xs, wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16), m, n, k,
+                    GemmConfig(128, 224, 64, 8, 1, 4, 6, "ws"), 132)
 
 
 @cpu
@@ -371,7 +383,7 @@ def test_gemm_gpu_table_shapes(nk, m):
 @needs_cuda
 @pytest.mark.parametrize("cfg", [SMALL_CONFIGS[1], GemmConfig(16, 64, 256, 1, 8, 4, 4), GemmConfig(128, 256, 128, 8, 1, 8, 3),
                                  GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), GemmConfig(4, 16, 256, 1, 3, 4, 1, "gemv"),
-                                 GemmConfig(8, 8, 512, 1, 1, 4, 1, "gemv"), WS_CONFIGS[0], WS_CONFIGS[1]],
+                                 GemmConfig(8, 8, 512, 1, 1, 4, 1, "gemv"), *WS_CONFIGS],
                          ids=lambda c: "x".join(map(str, c.key())))
 @pytest.mark.parametrize("shape", [(1, 50, 100), (33, 20, 32), (70, 96, 200), (64, 4096, 4096), (300, 1000, 1000),
                                    (520, 1040, 2048)], ids=str)
