@@ -7,7 +7,10 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
 * a producer warp walks the items' keys in tiles of CONSUMERS pages and fills a ring of STAGES
   shared-memory slots: each page's K ([page, D], token-major) and V ([D, page], key-minor) by TMA, one
   copy each, and the tile's K and V group scales by cp.async (8 bytes per key: too narrow for TMA).
-  It waits on the slot's `empty` barrier; the copies complete its `ready` barrier. The ring runs on
+  A V page of one head is D * page contiguous bytes; it is copied as a box of 128-byte rows (16 rows at
+  D = 128) rather than as D rows of 16 bytes, into the same bytes of its unswizzled buffer. With the narrow
+  box (probably a copy-engine request per 16-byte row) the kernel read 58-86 % of the copy bandwidth at
+  batch >= 16, with the wide one 64-97 % (H100, attention.md, fourteenth session). It waits on the slot's `empty` barrier; the copies complete its `ready` barrier. The ring runs on
   across items, so the next item's pages load while the math warps finish one. A tile's page numbers
   (block-table entries) are loaded one tile ahead, so a freed slot's copies start without a global load
   in between: 2-4 points more of the copy bandwidth on an H200, 0-2 on an H100 (attention.md, eleventh
@@ -134,7 +137,11 @@ def _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, page, p: gl.constexpr,
                D: gl.constexpr):
     """One page's K and V of this kv head by TMA into consumer p's part of the slot."""
     tma.async_copy_global_to_shared(k_desc, [page, 0, kvh * D], bar, k_bufs.index(slot).slice(p, 1))
-    tma.async_copy_global_to_shared(v_desc, [page * HKV + kvh, 0, 0], bar, v_bufs.index(slot).slice(p, 1))
+    # one head's V page ([D, page] bytes, key-minor) is one contiguous run: it is copied as rows of 128 bytes (a box
+    # of D * page / 128 rows) into the same bytes of the unswizzled [1, D, page] buffer (V_LAYOUT)
+    vbox: gl.constexpr = v_desc.block_type.shape
+    tma.async_copy_global_to_shared(v_desc, [page * HKV + kvh, 0, 0], bar,
+                                    v_bufs.index(slot).slice(p, 1)._reinterpret(gl.int8, vbox, v_desc.layout))
 
 
 @gluon.jit
@@ -278,7 +285,7 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc
     D: gl.constexpr = k_desc.block_type.shape[2]
     # [slot, consumer, ...]; a layout describes one slot
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, CONSUMERS, PAGE, D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, CONSUMERS, D, PAGE], v_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, CONSUMERS, D, PAGE], v_desc.layout)  # unswizzled
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     ks_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, CONSUMERS, PAGE, NG], plain)
     vs_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, CONSUMERS, PAGE, NG], plain)
@@ -324,8 +331,12 @@ def ws_ok(q, k_cache, v_cache, k_scale, group):
     qpk = q.shape[1] // hkv
     rows = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng)) * ng
     aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, k_scale))
-    return (page == 16 and d <= 256 and ng in (2, 4, 8) and rows == 16 and aligned
+    return (page == 16 and d <= 256 and (d * page) % 128 == 0 and ng in (2, 4, 8) and rows == 16 and aligned
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous())
+
+
+# V pages land unswizzled: the bytes of a [1, D, page] tile are the bytes of its [1, D * page / 128, 128] box
+V_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,12 +355,14 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
     qpk = hq // hkv
     ng = d // group
     k3 = k_cache.view(nblk, page, hkv * d)
-    v3 = v_cache.view(nblk * hkv, d, page)
+    v_rows = d * page // 128
+    v3 = v_cache.view(nblk * hkv, v_rows, 128)  # a (block, kv head)'s V: D x page bytes as rows of 128
     items = hkv * bsz * splits
     grid = min(items, PROGRAMS_PER_SM * sm_count(q.device)) if PROGRAMS_PER_SM else items
     _launch_kernel((grid,), dict(
         q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
-        k_desc=_descriptor(k3, (1, page, d)), v_desc=_descriptor(v3, (1, d, page)),
+        k_desc=_descriptor(k3, (1, page, d)),
+        v_desc=TensorDescriptor(v3, list(v3.shape), list(v3.stride()), [1, v_rows, 128], V_LAYOUT),
         k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         order_ptr=order, qk_scale=qk_scale, batch=bsz, num_splits=splits,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),

@@ -144,7 +144,8 @@ WS_SCRIPT = textwrap.dedent(
     results = []
     for split in (False, True):
         sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-               "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": desc([64 * 8, 128, 16], [1, 128, 16]),
+               "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": mangle_type(TensorDescriptor.from_tensor(torch.zeros(64 * 8, 16, 128, dtype=torch.int8),
+                                                                    [1, 16, 128], H.V_LAYOUT)),
                "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "order_ptr": "*i32",
                "qk_scale": "fp32"}
