@@ -688,6 +688,41 @@ def test_gpu_decode_bf16_cuda_graph(cache, d, hq, hkv):
     torch.testing.assert_close(captured, decode_attention(q, *args), rtol=0, atol=0)
 
 
+@cpu_only
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_ws_host_copies_v_pages_as_wide_rows(monkeypatch, d):
+    """The Gluon decode's host side (the kernel runs only on sm_90): one head's key-minor V page, D x page
+    contiguous bytes, is one TMA box of 128-byte rows over those same bytes, unswizzled like the [D, page] buffer
+    it lands in (so the bytes keep their places); K is one box per page; every kernel parameter is named."""
+    from triton.experimental.gluon import language as gl
+
+    from eightbit.kernels import decode_attention_hopper as H
+    from eightbit.kernels.reference import v_cache_shape
+
+    calls = []
+    monkeypatch.setattr(H, "_launch_kernel", lambda grid, args, **opts: calls.append((grid, args, opts)))
+    monkeypatch.setattr(H, "sm_count", lambda device: 132)
+    nblk, page, hkv, hq, b = 12, 16, 2, 8, 3
+    k = torch.zeros(nblk, page, hkv, d, dtype=torch.int8)
+    v = torch.zeros(v_cache_shape(nblk, page, hkv, d, torch.int8), dtype=torch.int8)
+    ks = vs = torch.ones(nblk, page, hkv, d // 32, dtype=torch.float16)
+    q = torch.zeros(b, hq, d, dtype=torch.bfloat16)
+    bt = torch.arange(b * 4, dtype=torch.int32).view(b, 4)
+    sl = torch.full((b,), 50, dtype=torch.int32)
+    out = torch.empty_like(q)
+    H.launch_ws(q, k, v, ks, vs, bt, sl, 1.0, out, out, out, 1, 32, torch.arange(b, dtype=torch.int32))
+    grid, args, opts = calls[-1]
+    assert sorted(args) == sorted(H._decode_ws_kernel.arg_names)
+    rows = d * page // 128
+    v_desc = args["v_desc"]
+    assert list(v_desc.block_shape) == [1, rows, 128] and list(v_desc.shape) == [nblk * hkv, rows, 128]
+    assert v_desc.base.data_ptr() == v.data_ptr() and v_desc.base.is_contiguous()
+    assert v_desc.layout == H.V_LAYOUT and H.V_LAYOUT.swizzle_byte_width == 0
+    assert gl.NVMMASharedLayout.get_default_for([1, d, page], gl.int8) == H.V_LAYOUT  # the buffer's own layout
+    assert list(args["k_desc"].block_shape) == [1, page, d]
+    assert grid == (b * hkv,) and opts["num_warps"] == 4
+
+
 @gpu
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("splits", [None, 1, 5])
