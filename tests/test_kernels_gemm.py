@@ -430,6 +430,24 @@ def test_gemm_gpu_ws_kernel(cfg, shape, monkeypatch):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("cfg,m", [(GemmConfig(8, 8, 512, 1, 8, 4, 1, "gemv"), 8), (GemmConfig(16, 32, 256, 1, 8, 4, 4), 16),
+                                   (GemmConfig(16, 64, 128, 1, 8, 4, 6), 16)], ids=["gemv", "dot32", "dot64"])
+def test_gemm_gpu_split_k_hand_off_under_load(cfg, m):
+    """Eight K splits per tile on a real decode shape (Llama-3-8B down), launched back to back many times: the
+    last split to arrive must always see every other split's int32 partial (a hand-off that loses one gives a
+    wrong sum in some launches, not in all: two stream-K prototypes did, docs/benchmarks/gemm.md)."""
+    g = _gen(12)
+    n, k = 4096, 14336
+    xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
+    one_m, one_n = torch.ones(m, 1, device="cuda"), torch.ones(n, 1, device="cuda")
+    exact = (xq.double() @ wq.double().t()).float()  # |sum| < 2^31; rounded to fp32 like the kernel's output
+    outs = [int8_gemm_with_config(xq, one_m, wq, one_n, None, torch.float32, cfg) for _ in range(60)]
+    wrong = sum(not torch.equal(o, exact) for o in outs)
+    assert wrong == 0, f"{wrong} of 60 launches lost a split's partial sum"
+
+
+@gpu
+@needs_cuda
 def test_gemm_gpu_relaunch_cache_across_m_alignment_and_bias():
     """The second launch of a shape skips Triton's binding (kernels/launch.py): one compiled kernel
     for every M, a new one when an operand's alignment, the bias or the output dtype changes."""
