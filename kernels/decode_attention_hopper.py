@@ -27,6 +27,10 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
 Work items are taken kv head fastest, then sequences longest first (decode_attention._work_order), then
 splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up.
 
+On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.py): it may start while
+kv_write (which allows it) still runs, reads the order, lengths and first page numbers, and waits before it
+touches q, the scales or the cache.
+
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
 reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
 of work items for its two resident programs per SM): up to 10 points more at uniform contexts, more with the
@@ -46,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from eightbit.kernels.launch import FastLauncher, is_sm90, sm_count
+from eightbit.kernels.pdl import pdl_enabled
 from eightbit.kernels.prefill_attention import I8_TO_F16_PTX
 
 CONSUMERS = gl.constexpr(4)
@@ -59,6 +64,16 @@ def _i8_to_f16(x):
     """int8 -> float16, exact: four values in five instructions (prefill_attention.I8_TO_F16_PTX)."""
     return gl.inline_asm_elementwise(asm=I8_TO_F16_PTX, constraints="=r,=r,r", args=[x], dtype=gl.float16,
                                      is_pure=True, pack=4)
+
+
+@gluon.jit
+def _wait_for_previous_kernel(PDL: gl.constexpr):
+    """Launched with PDL (kernels/pdl.py): block until the kernel before us (kv_write, in the engine) has completed
+    and its writes (q, the cache) are visible. Only the order, lengths and block tables are read before it: no
+    kernel that lets us start early writes those."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
 
 
 @gluon.jit
@@ -79,7 +94,7 @@ def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constex
 @gluon.jit
 def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs, v_bufs,
               ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
-              HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr):
+              HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     TILE: gl.constexpr = CONSUMERS * PAGE
@@ -100,6 +115,8 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
         p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE)
         for tile_start in range(start, end, TILE):
             n0, n1, n2, n3 = _tile_pages(bt_row, tile_start + TILE, end, PAGE)
+            if it == 0:  # the first item's page numbers are in hand; the scales and pages may be kv_write's
+                _wait_for_previous_kernel(PDL)
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
@@ -148,10 +165,11 @@ def _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, page, p: gl.constexpr,
 def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
               seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
               QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, NG: gl.constexpr,
-              STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr):
+              STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr):
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
     (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
+    _wait_for_previous_kernel(PDL)  # q is kv_write's output
     it = 0
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
         kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
@@ -280,7 +298,8 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc
                       block_tables_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits,
                       stride_qb, stride_qh, stride_ob, stride_oh, stride_sb, stride_sp, stride_sh, stride_bt,
                       QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                      NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr):
+                      NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr,
+                      PDL: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     # [slot, consumer, ...]; a layout describes one slot
@@ -297,10 +316,10 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc
     gl.warp_specialize([
         (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
                      seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob,
-                     stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, KW)),
+                     stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, KW, PDL)),
         (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs,
                      v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh,
-                     stride_bt, HKV, NG, STAGES)),
+                     stride_bt, HKV, NG, STAGES, PDL)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -359,6 +378,7 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
     v3 = v_cache.view(nblk * hkv, v_rows, 128)  # a (block, kv head)'s V: D x page bytes as rows of 128
     items = hkv * bsz * splits
     grid = min(items, PROGRAMS_PER_SM * sm_count(q.device)) if PROGRAMS_PER_SM else items
+    pdl = pdl_enabled(q.device)
     _launch_kernel((grid,), dict(
         q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
         k_desc=_descriptor(k3, (1, page, d)),
@@ -368,6 +388,6 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
         stride_bt=block_tables.stride(0),
-        QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1, KW=KW,
-    ), num_warps=4, maxnreg=MAXNREG)
+        QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1, KW=KW, PDL=pdl,
+    ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .attention_configs import KV_WRITE
 from .launch import FastLauncher
+from .pdl import allow_dependents, pdl_enabled
 from .reference import v_token_major
 from eightbit.quant import int8
 
@@ -82,8 +83,9 @@ def _rope_kv_write_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     # modes
-    ROPE: tl.constexpr, QUANT: tl.constexpr,
+    ROPE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)  # the decode attention after us may start its setup now; it waits for our writes
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HEAD_DIM)
@@ -203,7 +205,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
         stride_ksb=ks.stride(0), stride_ksp=ks.stride(1), stride_ksh=ks.stride(2),
         stride_vsb=vs.stride(0), stride_vsp=vs.stride(1), stride_vsh=vs.stride(2),
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
-        HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1], ROPE=rope, QUANT=quant,
+        HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1], ROPE=rope, QUANT=quant, PDL=pdl_enabled(k.device),
     ), **KV_WRITE)
     return q_out if rope else None
 

@@ -16,6 +16,11 @@ batch 1 and 1.6 % more decode tokens/s at batch 64. Tried, not kept: the GEMMs a
 dependents early (a GEMM right after a GEMM got up to 17 % slower at M = 8-16), and bulk-prefetching
 weight rows into L2 before the wait (faster for some shapes, slower for others).
 
+And where the int8 decode attention starts: kv_write allows dependents as it starts, and the Gluon decode
+kernel (decode_attention_hopper.py) is launched with PDL; it reads the work order, lengths and block tables
+first, then waits before it reads q or the cache. kv_write + decode per layer, H100: 0.6-2.1 us faster
+(docs/benchmarks/attention.md, fourteenth session).
+
 Both instructions do nothing in a kernel launched without the attribute, so one compiled kernel is
 correct either way. The CPU interpreter has no inline PTX: the kernels take a PDL constexpr, False
 there and off sm_90. EIGHTBIT_PDL=0 in the environment (read at import), or setting ENABLED, turns

@@ -759,6 +759,63 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid):
 
 
 @gpu
+def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
+    """kv_write lets the Gluon decode after it start early (programmatic dependent launch, sm_90), and the decode
+    waits before it reads q or the cache. Four layers of (rope_kv_write, decode_attention) replayed from a CUDA
+    graph give the same bits with PDL as without, for every layer."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("PDL and the Gluon decode kernel are sm_90 only")
+    from eightbit.kernels import pdl
+    from eightbit.kernels.reference import v_cache_shape
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    b, hq, hkv, d, page, width = 16, 32, 8, 128, 16, 48
+    layers = []
+    for _ in range(4):
+        shape = (b * width, page, hkv, d)
+        layers.append((torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8, generator=g),
+                       torch.randint(-127, 128, v_cache_shape(*shape, torch.int8), device="cuda", dtype=torch.int8,
+                                     generator=g),
+                       (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half(),
+                       (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half()))
+    bt = torch.randperm(b * width, device="cuda", dtype=torch.int32, generator=g).view(b, width).contiguous()
+    sl = torch.randint(1, width * page, (b,), device="cuda", dtype=torch.int32, generator=g)
+    pos = (sl - 1).long()
+    slots = bt.gather(1, (pos // page).view(-1, 1).int()).view(-1).long() * page + pos % page
+    cos_sin = torch.randn(width * page, d, device="cuda", generator=g)
+    q, k, v = (torch.randn(b, h, d, device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    pristine = [[t.clone() for t in caches] for caches in layers]
+
+    def run(on):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        for caches, fresh in zip(layers, pristine):
+            for t, f in zip(caches, fresh):
+                t.copy_(f)
+        outs = [None] * len(layers)
+
+        def step():
+            for i, (kc, vc, ks, vs) in enumerate(layers):
+                qr = rope_kv_write(q, k, v, pos, cos_sin, kc, vc, ks, vs, slots)
+                outs[i] = decode_attention(qr, kc, vc, ks, vs, bt, sl, d ** -0.5)
+
+        step()  # compiles outside the capture
+        for caches, fresh in zip(layers, pristine):
+            for t, f in zip(caches, fresh):
+                t.copy_(f)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        return [o.clone() for o in outs]
+
+    without, with_pdl = run(False), run(True)
+    for a, c in zip(without, with_pdl):
+        assert torch.equal(a, c)
+    assert all(o.abs().sum() > 0 for o in with_pdl)
+
+
+@gpu
 @pytest.mark.parametrize("q_mult,k_mult,v_mult", [(30.0, 40.0, 1e-3), (1.0, 3000.0, 3000.0), (1e4, 1e-3, 1.0)])
 def test_gpu_int8_attention_float16_range(q_mult, k_mult, v_mult):
     """The int8 cache is read in float16 (q scaled by a power of two): tiny values, values near the

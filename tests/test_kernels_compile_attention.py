@@ -100,7 +100,7 @@ SCRIPT = textwrap.dedent(
                     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_out_ptr": "*bf16",
                             "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", **cache_ptrs(kind), "slot_ptr": "*i64"}
                     consts = dict(HQ=32, HKV=8, HQ_PAD=32, HKV_PAD=8, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
-                                  PAGE_SIZE=16, ROPE=rope, QUANT=kind == "int8")
+                                  PAGE_SIZE=16, ROPE=rope, QUANT=kind == "int8", PDL=True)
                     build(f"kv_write d{d} {kind} rope={rope}", _rope_kv_write_kernel, ptrs, {}, consts, dict(C.KV_WRITE))
     print("RESULTS " + json.dumps(results))
     """
@@ -150,7 +150,7 @@ WS_SCRIPT = textwrap.dedent(
                "order_ptr": "*i32",
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
-        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, KW=H.KW)
+        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, KW=H.KW, PDL=True)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
@@ -162,7 +162,8 @@ WS_SCRIPT = textwrap.dedent(
                             mma=ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
                             tma=ptx.count("cp.async.bulk.tensor.3d"), scale_copies=ptx.count("cp.async.ca.shared.global"),
                             async_arrive=ptx.count("cp.async.mbarrier.arrive.shared.b64"),
-                            setmaxnreg=ptx.count("setmaxnreg"), byte_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.v2.b8")))
+                            setmaxnreg=ptx.count("setmaxnreg"), byte_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.v2.b8"),
+                            pdl_wait=ptx.count("griddepcontrol.wait")))
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -180,6 +181,7 @@ def test_decode_ws_kernel_compiles_for_sm90():
         assert r["cubin"] > 0 and r["mma"] > 0 and r["tma"] > 0 and r["setmaxnreg"] > 0, r
         assert r["scale_copies"] > 0 and r["async_arrive"] > 0, r
         assert r["byte_loads"] <= 1, r  # one scalar byte load outside the loop is Triton's; the tiles are words
+        assert r["pdl_wait"] >= 2, r  # the producer waits before its first copies, the consumers before q
         assert 2 * r["shared"] <= HOPPER_SMEM, r
 
 
