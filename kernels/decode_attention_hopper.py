@@ -27,9 +27,9 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
 Work items are taken kv head fastest, then sequences longest first (decode_attention._work_order), then
 splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up.
 
-On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.py): it may start while
-kv_write (which allows it) still runs, reads the order, lengths and first page numbers, and waits before it
-touches q, the scales or the cache.
+On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.py): its programs may be
+scheduled and set up (barriers, descriptors) while kv_write, which allows it, still runs; both partitions wait
+for it before their first global read.
 
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
 reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
@@ -68,9 +68,9 @@ def _i8_to_f16(x):
 
 @gluon.jit
 def _wait_for_previous_kernel(PDL: gl.constexpr):
-    """Launched with PDL (kernels/pdl.py): block until the kernel before us (kv_write, in the engine) has completed
-    and its writes (q, the cache) are visible. Only the order, lengths and block tables are read before it: no
-    kernel that lets us start early writes those."""
+    """Launched with PDL (kernels/pdl.py): block until the kernel before us has completed and its writes are
+    visible. Both partitions call it before their first global read: the kernel just before us may be kv_write
+    (q, the cache) or, at a step's first layer, the one that wrote the work order (decode_attention._work_order)."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
@@ -106,6 +106,7 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
     groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     page_of_key = keys_3d // PAGE  # which of the tile's pages a scale thread copies from
+    _wait_for_previous_kernel(PDL)
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
         kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
@@ -115,8 +116,6 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
         p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE)
         for tile_start in range(start, end, TILE):
             n0, n1, n2, n3 = _tile_pages(bt_row, tile_start + TILE, end, PAGE)
-            if it == 0:  # the first item's page numbers are in hand; the scales and pages may be kv_write's
-                _wait_for_previous_kernel(PDL)
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
@@ -169,7 +168,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
     (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
-    _wait_for_previous_kernel(PDL)  # q is kv_write's output
+    _wait_for_previous_kernel(PDL)
     it = 0
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
         kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)

@@ -17,9 +17,10 @@ dependents early (a GEMM right after a GEMM got up to 17 % slower at M = 8-16), 
 weight rows into L2 before the wait (faster for some shapes, slower for others).
 
 And where the int8 decode attention starts: kv_write allows dependents as it starts, and the Gluon decode
-kernel (decode_attention_hopper.py) is launched with PDL; it reads the work order, lengths and block tables
-first, then waits before it reads q or the cache. kv_write + decode per layer, H100: 0.6-2.1 us faster
-(docs/benchmarks/attention.md, fourteenth session).
+kernel (decode_attention_hopper.py) is launched with PDL and waits before its first global read. kv_write +
+decode per layer, H100: 0.6-2.1 us faster, measured while the kernel still read its work order before
+waiting (docs/benchmarks/attention.md, fourteenth session; at a step's first layer the order's own kernel runs
+just before, so it now waits first).
 
 Both instructions do nothing in a kernel launched without the attribute, so one compiled kernel is
 correct either way. The CPU interpreter has no inline PTX: the kernels take a PDL constexpr, False
