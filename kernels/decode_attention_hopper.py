@@ -10,7 +10,8 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
   A V page of one head is D * page contiguous bytes; it is copied as a box of 128-byte rows (16 rows at
   D = 128) rather than as D rows of 16 bytes, into the same bytes of its unswizzled buffer. With the narrow
   box (probably a copy-engine request per 16-byte row) the kernel read 58-86 % of the copy bandwidth at
-  batch >= 16, with the wide one 64-97 % (H100, attention.md, fourteenth session). It waits on the slot's `empty` barrier; the copies complete its `ready` barrier. The ring runs on
+  batch >= 16, with the wide one 64-97 % (H100, attention.md, fourteenth session).
+  It waits on the slot's `empty` barrier; the copies complete its `ready` barrier. The ring runs on
   across items, so the next item's pages load while the math warps finish one. A tile's page numbers
   (block-table entries) are loaded one tile ahead, so a freed slot's copies start without a global load
   in between: 2-4 points more of the copy bandwidth on an H200, 0-2 on an H100 (attention.md, eleventh
@@ -48,6 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_wait
 
 from eightbit.kernels.launch import FastLauncher, is_sm90, sm_count
 from eightbit.kernels.pdl import pdl_enabled
@@ -69,11 +71,11 @@ def _i8_to_f16(x):
 @gluon.jit
 def _wait_for_previous_kernel(PDL: gl.constexpr):
     """Launched with PDL (kernels/pdl.py): block until the kernel before us has completed and its writes are
-    visible. Both partitions call it before their first global read: the kernel just before us may be kv_write
-    (q, the cache) or, at a step's first layer, the one that wrote the work order (decode_attention._work_order)."""
+    visible (the primitive pdl.wait_for_previous_kernel uses). Both partitions call it before their first
+    global read: the kernel just before us may be kv_write (q, the cache) or, at a step's first layer, the one
+    that wrote the work order (decode_attention._work_order)."""
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        gdc_wait()
 
 
 @gluon.jit
@@ -153,8 +155,7 @@ def _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, page, p: gl.constexpr,
                D: gl.constexpr):
     """One page's K and V of this kv head by TMA into consumer p's part of the slot."""
     tma.async_copy_global_to_shared(k_desc, [page, 0, kvh * D], bar, k_bufs.index(slot).slice(p, 1))
-    # one head's V page ([D, page] bytes, key-minor) is one contiguous run: it is copied as rows of 128 bytes (a box
-    # of D * page / 128 rows) into the same bytes of the unswizzled [1, D, page] buffer (V_LAYOUT)
+    # V: the page's D x page bytes as rows of 128 bytes, into the same bytes of the buffer (module docstring)
     vbox: gl.constexpr = v_desc.block_type.shape
     tma.async_copy_global_to_shared(v_desc, [page * HKV + kvh, 0, 0], bar,
                                     v_bufs.index(slot).slice(p, 1)._reinterpret(gl.int8, vbox, v_desc.layout))

@@ -319,7 +319,6 @@ def test_dequantize_blocks_matches_reference(monkeypatch, dtype, d, hkv, page, g
     from eightbit.kernels import kv_dequant
     from eightbit.kernels.kv_dequant import dequantize_blocks
 
-
     sc = Scenario([(200, 1), (1, 1), (37, 37), (0, 0), (131, 5)], hkv, hkv, d, torch.int8, group, page=page,
                   share_prefix_blocks=2, seed=d)
     args = (*sc.caches, sc.block_tables, sc.seq_lens, dtype)
@@ -761,7 +760,7 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid):
 @gpu
 def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
     """kv_write lets the Gluon decode after it start early (programmatic dependent launch, sm_90), and the decode
-    waits before it reads q or the cache. Four layers of (rope_kv_write, decode_attention) replayed from a CUDA
+    waits before its first global read. Four layers of (rope_kv_write, decode_attention) replayed from a CUDA
     graph give the same bits with PDL as without, for every layer."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("PDL and the Gluon decode kernel are sm_90 only")
@@ -786,11 +785,14 @@ def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
     q, k, v = (torch.randn(b, h, d, device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
     pristine = [[t.clone() for t in caches] for caches in layers]
 
-    def run(on):
-        monkeypatch.setattr(pdl, "ENABLED", on)
+    def restore_caches():  # kv_write writes this step's token into them
         for caches, fresh in zip(layers, pristine):
             for t, f in zip(caches, fresh):
                 t.copy_(f)
+
+    def run(on):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        restore_caches()
         outs = [None] * len(layers)
 
         def step():
@@ -799,9 +801,7 @@ def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
                 outs[i] = decode_attention(qr, kc, vc, ks, vs, bt, sl, d ** -0.5)
 
         step()  # compiles outside the capture
-        for caches, fresh in zip(layers, pristine):
-            for t, f in zip(caches, fresh):
-                t.copy_(f)
+        restore_caches()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()

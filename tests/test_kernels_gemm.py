@@ -430,7 +430,8 @@ def test_gemm_gpu_ws_kernel(cfg, shape, monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg,m", [(GemmConfig(8, 8, 512, 1, 8, 4, 1, "gemv"), 8), (GemmConfig(16, 32, 256, 1, 8, 4, 4), 16),
+@pytest.mark.parametrize("cfg,m", [(GemmConfig(8, 8, 512, 1, 8, 4, 1, "gemv"), 8),
+                                   (GemmConfig(16, 32, 256, 1, 8, 4, 4), 16),
                                    (GemmConfig(16, 64, 128, 1, 8, 4, 6), 16)], ids=["gemv", "dot32", "dot64"])
 def test_gemm_gpu_split_k_hand_off_under_load(cfg, m):
     """Eight K splits per tile on a real decode shape (Llama-3-8B down), launched back to back many times: the
