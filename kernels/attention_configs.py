@@ -96,11 +96,14 @@ DECODE_LONGEST_FIRST = True
 
 # The reduce kernel and kv_write are tiny; one setting each.
 REDUCE = dict(num_warps=4)
-# the most splits merged per step of the reduce loop; a call merges its split count rounded up to a power of
-# two per step, so every count the heuristic picks takes one step (at batch 1 the 32 reduce programs are
-# latency bound: merging 128 splits 16 at a time cost 13 us at 32k context), and 2 splits don't pay for a
-# [128, D] chunk (it cost the int8 decode at 16 x 2k 4.5 of its 36 us, H100, attention.md, fifteenth session)
+# Splits merged per step of the reduce loop: the smallest of REDUCE_CHUNKS that holds the call's split count, at
+# most REDUCE_CHUNK (the count itself is a run-time argument). A few sizes, so that the engine's decode graphs
+# (batch buckets 1, 2, 4, 8, 16, ...) compile every one a later eager step can ask for. At batch 1 the 32 reduce
+# programs are latency bound (merging 128 splits 16 at a time cost 13 us at 32k context), and 2 splits don't pay
+# for a [128, D] chunk (it cost the int8 decode at 16 x 2k 4.5 of its 36 us, H100, attention.md, fifteenth
+# session).
 REDUCE_CHUNK = DECODE_MAX_SPLITS
+REDUCE_CHUNKS = (4, 16, REDUCE_CHUNK)
 KV_WRITE = dict(num_warps=4)
 
 

@@ -18,8 +18,8 @@ Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context 
   * With one split the program writes the output directly; otherwise it writes its
     normalized partial output (fp32) and log2-sum-exp, and
 Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)
-(the split count rounded up to a power of two per step, at most REDUCE_CHUNK, with a running max: the
-count itself is not compiled in).
+(attention_configs.REDUCE_CHUNKS: 4, 16 or 128 splits per step, the smallest that holds the count, with a
+running max: the count itself is not compiled in).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
 
 num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import attention_configs
-from .attention_configs import REDUCE, REDUCE_CHUNK, decode_config, decode_num_splits
+from .attention_configs import REDUCE, REDUCE_CHUNK, REDUCE_CHUNKS, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
 from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to, per_step
 
@@ -178,8 +178,8 @@ def _decode_reduce_kernel(
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Merge the splits CHUNK at a time with a running max, so one compiled kernel serves every split
-    count up to CHUNK (a new count at run time, e.g. in an eager mixed step, compiles at most once per
-    power of two)."""
+    count up to CHUNK; CHUNK takes one of a few sizes (REDUCE_CHUNKS), which the engine's decode graphs compile
+    before any eager step needs them."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, HEAD_DIM)
@@ -306,9 +306,14 @@ def _reduce(part_out, part_lse, out, splits):
         _launch_reduce((bsz, hq), dict(
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
             stride_ob=out.stride(0), stride_oh=out.stride(1),
-            HQ=hq, HEAD_DIM=d, CHUNK=min(REDUCE_CHUNK, triton.next_power_of_2(splits)),
+            HQ=hq, HEAD_DIM=d, CHUNK=merge_chunk(splits),
         ), **REDUCE)
     return out
+
+
+def merge_chunk(splits):
+    """Splits the merge kernel takes per step: the smallest of REDUCE_CHUNKS that holds them, at most REDUCE_CHUNK."""
+    return min(REDUCE_CHUNK, next((c for c in REDUCE_CHUNKS if c >= splits), REDUCE_CHUNKS[-1]))
 
 
 def _ws_ok(q, k_cache, v_cache, k_scale, group):

@@ -91,7 +91,7 @@ SCRIPT = textwrap.dedent(
                               COMPILED=True)
                 build(f"decode d{d} {kind} splits{splits} page{page}", _decode_kernel, ptrs, {"qk_scale": "fp32"},
                       consts, c)
-            for chunk in (2, C.REDUCE_CHUNK):  # the chunk is the split count's power of two, up to REDUCE_CHUNK
+            for chunk in C.REDUCE_CHUNKS:
                 build(f"reduce d{d} chunk{chunk}", _decode_reduce_kernel,
                       {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}, {},
                       dict(HQ=32, HEAD_DIM=d, CHUNK=chunk), dict(C.REDUCE))
