@@ -94,16 +94,15 @@ DECODE_WS_PROGRAMS_PER_SM = 2
 # 4-9 points more of the copy bandwidth at batch 16-256 (H100, attention.md, eleventh session).
 DECODE_LONGEST_FIRST = True
 
-# The reduce kernel and kv_write are tiny; one setting each.
-REDUCE = dict(num_warps=4)
-# Splits merged per step of the reduce loop: the smallest of REDUCE_CHUNKS that holds the call's split count, at
-# most REDUCE_CHUNK (the count itself is a run-time argument). A few sizes, so that the engine's decode graphs
-# (batch buckets 1, 2, 4, 8, 16, ...) compile every one a later eager step can ask for. At batch 1 the 32 reduce
-# programs are latency bound (merging 128 splits 16 at a time cost 13 us at 32k context), and 2 splits don't pay
-# for a [128, D] chunk (it cost the int8 decode at 16 x 2k 4.5 of its 36 us, H100, attention.md, fifteenth
-# session).
+# The merge kernel after a split decode takes REDUCE_CHUNK splits per step at most, and a call the smallest chunk of
+# REDUCE_CHUNKS that holds its split count, with that chunk's launch options (the count itself is a run-time
+# argument). Few chunks, so that the engine's decode graphs (batch buckets 1, 2, 4, 8, 16, ...) compile every one a
+# later eager step can ask for (a CPU test checks it). The merge alone, same process (H100, attention.md, fifteenth
+# session): 2 splits at batch 16 in 1.6 us with a 4-split chunk on one warp, 1.9 with 2 on four warps, 4.3 with 128
+# on four (the one chunk before: in the whole call it cost the int8 decode at 16 x 2k 4.5 of its 36 us); 33 splits
+# at batch 1 in 2.2 us with 128 on four warps, 11.2 on one.
 REDUCE_CHUNK = DECODE_MAX_SPLITS
-REDUCE_CHUNKS = (4, 16, REDUCE_CHUNK)
+REDUCE_CHUNKS = {4: dict(num_warps=1), 16: dict(num_warps=1), REDUCE_CHUNK: dict(num_warps=4)}
 KV_WRITE = dict(num_warps=4)
 
 

@@ -18,8 +18,8 @@ Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context 
   * With one split the program writes the output directly; otherwise it writes its
     normalized partial output (fp32) and log2-sum-exp, and
 Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)
-(attention_configs.REDUCE_CHUNKS: 4, 16 or 128 splits per step, the smallest that holds the count, with a
-running max: the count itself is not compiled in).
+(attention_configs.REDUCE_CHUNKS: 4, 16 or 128 splits per step, the smallest that holds the count, on 1, 1 or 4
+warps, with a running max: the count itself is not compiled in).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
 
 num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import attention_configs
-from .attention_configs import REDUCE, REDUCE_CHUNK, REDUCE_CHUNKS, decode_config, decode_num_splits
+from .attention_configs import REDUCE_CHUNK, REDUCE_CHUNKS, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
 from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to, per_step
 
@@ -298,22 +298,21 @@ def _order(seq_lens, longest_first):
 
 def _reduce(part_out, part_lse, out, splits):
     """Stage 2: merge the splits' partials into out (nothing to do for one split). The chunk fits the
-    split count: with a [128, D] chunk for every count, 2 splits at batch 16 merged in 8.7 us, and the
-    int8 decode at 16 x 2k read 64 % of the copy bandwidth against 68.5 % (H100, docs/benchmarks/attention.md,
-    fifteenth session)."""
+    split count (attention_configs.REDUCE_CHUNKS)."""
     if splits > 1:
         bsz, hq, d = out.shape
+        chunk = merge_chunk(splits)
         _launch_reduce((bsz, hq), dict(
             part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
             stride_ob=out.stride(0), stride_oh=out.stride(1),
-            HQ=hq, HEAD_DIM=d, CHUNK=merge_chunk(splits),
-        ), **REDUCE)
+            HQ=hq, HEAD_DIM=d, CHUNK=chunk,
+        ), **REDUCE_CHUNKS.get(chunk, REDUCE_CHUNKS[max(REDUCE_CHUNKS)]))
     return out
 
 
 def merge_chunk(splits):
     """Splits the merge kernel takes per step: the smallest of REDUCE_CHUNKS that holds them, at most REDUCE_CHUNK."""
-    return min(REDUCE_CHUNK, next((c for c in REDUCE_CHUNKS if c >= splits), REDUCE_CHUNKS[-1]))
+    return min(REDUCE_CHUNK, next((c for c in sorted(REDUCE_CHUNKS) if c >= splits), max(REDUCE_CHUNKS)))
 
 
 def _ws_ok(q, k_cache, v_cache, k_scale, group):

@@ -91,10 +91,10 @@ SCRIPT = textwrap.dedent(
                               COMPILED=True)
                 build(f"decode d{d} {kind} splits{splits} page{page}", _decode_kernel, ptrs, {"qk_scale": "fp32"},
                       consts, c)
-            for chunk in C.REDUCE_CHUNKS:
+            for chunk, opts in sorted(C.REDUCE_CHUNKS.items()):
                 build(f"reduce d{d} chunk{chunk}", _decode_reduce_kernel,
                       {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"}, {},
-                      dict(HQ=32, HEAD_DIM=d, CHUNK=chunk), dict(C.REDUCE))
+                      dict(HQ=32, HEAD_DIM=d, CHUNK=chunk), dict(opts))
         for d in (64, 128):
             for kind in ("int8", "float"):
                 for rope in (True, False):
