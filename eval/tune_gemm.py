@@ -73,6 +73,12 @@ def candidates(m):
                            (32, 256, 8), (64, 256, 6)):
             for sk in (1, 2, 4, 8):
                 out.append(C(bm, bn, bk, 1, sk, 4, st))
+        # 16 columns on one or two warps: more programs per SM, each with its own loads in flight; at M = 8-16
+        # they beat every 4-warp tile on the 8B qkv / o / down and 1B qkv / o shapes by 2-8 % (H100, gemm.md,
+        # fifteenth session)
+        for bk, st, w in ((256, 6, 1), (256, 8, 1), (512, 4, 2), (512, 6, 2)):
+            for sk in (1, 2):
+                out.append(C(bm, 16, bk, 1, sk, w, st))
         gb = m if m in GEMV_TILES else (8 if m <= 16 else None)
         if gb is not None:
             for bn, bk, w in GEMV_TILES[gb]:
@@ -143,8 +149,8 @@ def main(argv=None):
             break
     prev_table = {key: gc.GemmConfig(**e["config"]) for key, e in old.items()}
 
-    def prev_of(mb, n, k):  # what the committed table served this bucket before (buckets < 16 are new)
-        return prev_table.get((max(mb, 16) if mb <= 16 else mb, n, k)) or gc.dot_config(mb, n, k)
+    def prev_of(mb, n, k):  # what the committed table served this bucket before (get_config's fallback order)
+        return prev_table.get((mb, n, k)) or (prev_table.get((16, n, k)) if mb < 16 else None) or gc.dot_config(mb, n, k)
 
     def cands_for(mb, n, k):
         out = list(candidates(mb))
