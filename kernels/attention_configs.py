@@ -96,8 +96,8 @@ DECODE_LONGEST_FIRST = True
 
 # The merge kernel after a split decode takes REDUCE_CHUNK splits per step at most, and a call the smallest chunk of
 # REDUCE_CHUNKS that holds its split count, with that chunk's launch options (the count itself is a run-time
-# argument). Few chunks, so that the engine's decode graphs (batch buckets 1, 2, 4, 8, 16, ...) compile every one a
-# later eager step can ask for (a CPU test checks it). The merge alone, same process (H100, attention.md, fifteenth
+# argument). Few chunks: the first split call of a shape launches (compiles) them all, so no later split count
+# compiles one mid-run. The merge alone, same process (H100, attention.md, fifteenth
 # session): 2 splits at batch 16 in 1.6 us with a 4-split chunk on one warp, 1.9 with 2 on four warps, 4.3 with 128
 # on four (the one chunk before: in the whole call it cost the int8 decode at 16 x 2k 4.5 of its 36 us); 33 splits
 # at batch 1 in 2.2 us with 128 on four warps, 11.2 on one.

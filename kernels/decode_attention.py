@@ -178,8 +178,7 @@ def _decode_reduce_kernel(
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Merge the splits CHUNK at a time with a running max, so one compiled kernel serves every split
-    count up to CHUNK; CHUNK takes one of a few sizes (REDUCE_CHUNKS), which the engine's decode graphs compile
-    before any eager step needs them."""
+    count; CHUNK takes one of a few sizes (REDUCE_CHUNKS), all compiled at the first split call (_reduce)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, HEAD_DIM)
@@ -296,17 +295,27 @@ def _order(seq_lens, longest_first):
     return torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
 
 
+_merge_warmed = set()  # (device, dtype, Hq, D) whose every merge chunk has been launched once
+
+
 def _reduce(part_out, part_lse, out, splits):
-    """Stage 2: merge the splits' partials into out (nothing to do for one split). The chunk fits the
-    split count (attention_configs.REDUCE_CHUNKS)."""
+    """Stage 2: merge the splits' partials into out (nothing to do for one split). The chunk fits the split
+    count (attention_configs.REDUCE_CHUNKS). The first split call of a shape launches every chunk, each
+    computing the same out, so that a later call with another split count (an eager mixed step's narrower
+    block table, a new batch size) compiles nothing mid-run."""
     if splits > 1:
         bsz, hq, d = out.shape
-        chunk = merge_chunk(splits)
-        _launch_reduce((bsz, hq), dict(
-            part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
-            stride_ob=out.stride(0), stride_oh=out.stride(1),
-            HQ=hq, HEAD_DIM=d, CHUNK=chunk,
-        ), **REDUCE_CHUNKS.get(chunk, REDUCE_CHUNKS[max(REDUCE_CHUNKS)]))
+        chunks = [merge_chunk(splits)]
+        key = (out.device, out.dtype, hq, d)
+        if key not in _merge_warmed and not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _merge_warmed.add(key)
+            chunks = sorted({merge_chunk(c) for c in REDUCE_CHUNKS} - set(chunks)) + chunks
+        for chunk in chunks:
+            _launch_reduce((bsz, hq), dict(
+                part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
+                stride_ob=out.stride(0), stride_oh=out.stride(1),
+                HQ=hq, HEAD_DIM=d, CHUNK=chunk,
+            ), **REDUCE_CHUNKS.get(chunk, REDUCE_CHUNKS[max(REDUCE_CHUNKS)]))
     return out
 
 
