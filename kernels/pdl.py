@@ -18,9 +18,9 @@ weight rows into L2 before the wait (faster for some shapes, slower for others).
 
 And where the int8 decode attention starts: kv_write allows dependents as it starts, and the Gluon decode
 kernel (decode_attention_hopper.py) is launched with PDL and waits before its first global read. kv_write +
-decode per layer, H100: 0.6-2.1 us faster, measured while the kernel still read its work order before
-waiting (docs/benchmarks/attention.md, fourteenth session; at a step's first layer the order's own kernel runs
-just before, so it now waits first).
+decode per layer, H100: 0.6-1.0 us faster, bit-identical (docs/benchmarks/attention.md, fifteenth session; 0.6-2.1
+us while the kernel still read its work order before waiting, but at a step's first layer the order's own kernel
+runs just before, so it waits first).
 
 Both instructions do nothing in a kernel launched without the attribute, so one compiled kernel is
 correct either way. The CPU interpreter has no inline PTX: the kernels take a PDL constexpr, False
