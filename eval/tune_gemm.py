@@ -102,6 +102,15 @@ def candidates(m):
             C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]
 
 
+def choose(timings, committed=None, min_gain=0.02):
+    """The fastest of {config: us}; but the committed entry (if timed) stays unless the fastest beats it by
+    min_gain, so that a re-tune replaces entries for clear gains, not for the run's noise."""
+    best = min(timings, key=timings.get)
+    if committed in timings and timings[best] > (1 - min_gain) * timings[committed]:
+        return committed
+    return best
+
+
 def _inputs(m, n, k, device="cuda"):
     g = torch.Generator(device=device).manual_seed(m * 7 + n + k)
     xq = torch.randint(-128, 128, (m, k), device=device, dtype=torch.int8, generator=g)
@@ -214,9 +223,7 @@ def main(argv=None):
             log += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict(), us=round(t, 3)) for c, t in timings.items()]
             if not timings:
                 continue
-            best = min(timings, key=timings.get)
-            if prev in timings and (mb, n, k) in prev_table and timings[best] > (1 - args.min_gain) * timings[prev]:
-                best = prev  # a committed entry is replaced only by a clear gain, not by the run's noise
+            best = choose(timings, prev if (mb, n, k) in prev_table else None, args.min_gain)
             entries.append(dict(m_bucket=mb, n=n, k=k, config=best.to_dict(), us=round(timings[best], 2),
                                 default_us=round(timings.get(default, float("nan")), 2),
                                 prev_us=round(timings.get(prev, float("nan")), 2), prev_config=prev.to_dict()))
