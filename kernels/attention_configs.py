@@ -102,6 +102,7 @@ DECODE_LONGEST_FIRST = True
 # on four (the one chunk before: in the whole call it cost the int8 decode at 16 x 2k 4.5 of its 36 us); 33 splits
 # at batch 1 in 2.2 us with 128 on four warps, 11.2 on one.
 REDUCE_CHUNK = DECODE_MAX_SPLITS
+# chunk -> launch options, in ascending order, the last one REDUCE_CHUNK
 REDUCE_CHUNKS = {4: dict(num_warps=1), 16: dict(num_warps=1), REDUCE_CHUNK: dict(num_warps=4)}
 KV_WRITE = dict(num_warps=4)
 

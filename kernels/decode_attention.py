@@ -315,13 +315,14 @@ def _reduce(part_out, part_lse, out, splits):
                 part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, num_splits=splits,
                 stride_ob=out.stride(0), stride_oh=out.stride(1),
                 HQ=hq, HEAD_DIM=d, CHUNK=chunk,
-            ), **REDUCE_CHUNKS.get(chunk, REDUCE_CHUNKS[max(REDUCE_CHUNKS)]))
+            ), **REDUCE_CHUNKS.get(chunk, REDUCE_CHUNKS[attention_configs.REDUCE_CHUNK]))
     return out
 
 
 def merge_chunk(splits):
-    """Splits the merge kernel takes per step: the smallest of REDUCE_CHUNKS that holds them, at most REDUCE_CHUNK."""
-    return min(REDUCE_CHUNK, next((c for c in sorted(REDUCE_CHUNKS) if c >= splits), max(REDUCE_CHUNKS)))
+    """Splits the merge kernel takes per step: the smallest of REDUCE_CHUNKS (ascending) that holds them, at most
+    REDUCE_CHUNK (more splits loop)."""
+    return min(REDUCE_CHUNK, next((c for c in REDUCE_CHUNKS if c >= splits), REDUCE_CHUNK))
 
 
 def _ws_ok(q, k_cache, v_cache, k_scale, group):
