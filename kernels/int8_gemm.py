@@ -58,6 +58,7 @@ import triton.language as tl
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
 from eightbit.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+from eightbit.kernels.scratch import zeroed_scratch
 
 
 @triton.jit
@@ -351,30 +352,14 @@ _locks = {}
 _gemv_acc = {}
 
 
-def _zeroed_scratch(cache, device, n, min_size, what):
-    """A per-device int32 buffer of >= n zeros, grown outside CUDA-graph capture only. The kernels
-    leave it zero again after each launch, so it is allocated once and reused."""
-    key = (device.type, device.index)
-    buf = cache.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"int8_gemm: the split-K {what} must be allocated before CUDA-graph capture; "
-                "run one eager call of each shape first (warm-up)"
-            )
-        buf = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
-        cache[key] = buf
-    return buf
-
-
 def _gemv_acc_buffer(device, n):
     """Per-device int32 split-K sums of the gemv kernel (each launch re-zeroes its rows)."""
-    return _zeroed_scratch(_gemv_acc, device, n, 1 << 18, "sum buffer")
+    return zeroed_scratch(_gemv_acc, device, n, 1 << 18, "int8_gemm: the split-K sum buffer")
 
 
 def _lock_buffer(device, n):
     """Per-device split-K tile counters (each launch resets its own)."""
-    return _zeroed_scratch(_locks, device, n, 1 << 16, "counters")
+    return zeroed_scratch(_locks, device, n, 1 << 16, "int8_gemm: the split-K counters")
 
 
 def _ws_ok(x_q, w_q, out):
