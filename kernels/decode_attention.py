@@ -21,6 +21,7 @@ Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 
 (attention_configs.REDUCE_CHUNKS: 4, 16 or 128 splits per step, the smallest that holds the count, on 1, 1 or 4
 warps, with a running max: the count itself is not compiled in).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
+(The Gluon kernel of decode_attention_hopper.py runs the same merge inside itself, in its last split to finish.)
 
 num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the
 multiprocessor count, and block_tables.shape[1] * page size) and the kernel that runs (this one, or from
@@ -37,6 +38,7 @@ import triton.language as tl
 from . import attention_configs
 from .attention_configs import REDUCE_CHUNK, REDUCE_CHUNKS, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
+from .scratch import zeroed_scratch
 from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to, per_step
 
 
@@ -252,9 +254,11 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     if ws:
         from .decode_attention_hopper import launch_ws
 
+        fused = 1 < splits <= attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS
+        counters = _merge_counters(q.device, bsz * k_cache.shape[2]) if fused else None
         launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, float(softmax_scale) * LOG2E, out,
-                  part_out, part_lse, splits, group, _work_order(seq_lens))
-        return _reduce(part_out, part_lse, out, splits)
+                  part_out, part_lse, splits, group, _work_order(seq_lens), counters)
+        return out if fused else _reduce(part_out, part_lse, out, splits)
     hkv = k_cache.shape[2]
     qpk = hq // hkv
     cfg = decode_config(d, k_cache.dtype)
@@ -278,13 +282,15 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
 
 
 _last_order = [None]  # the memo of _work_order (prefill_attention.per_step)
+_counters = {}  # device -> the merge counters of the Gluon kernel (kernels/scratch.py)
 
 
 def _work_order(seq_lens):
     """The order in which the Gluon kernel takes the sequences (int32 indices on the device, no host sync):
     longest first (attention_configs.DECODE_LONGEST_FIRST), so the grid starts the longest work items first.
     Built once per step (per_step). Results never depend on it: a stale order is still a permutation of the
-    batch, and every work item is computed alone."""
+    batch, and every work item is computed alone. (Its lengths beside it would save the kernel one dependent
+    load, 0.1-0.5 us a call (attention.md, sixteenth session), but a stale copy of them would be wrong results.)"""
     longest_first = attention_configs.DECODE_LONGEST_FIRST
     return per_step(_last_order, seq_lens, (longest_first,), lambda: _order(seq_lens, longest_first))
 
@@ -293,6 +299,12 @@ def _order(seq_lens, longest_first):
     if longest_first:
         return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
     return torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
+
+
+def _merge_counters(device, n):
+    """Zeroed int32 counters, one per (sequence, kv head), for the Gluon kernel's merge of its splits; each launch
+    leaves them zero (kernels/scratch.py). 65,536 at least: a decode graph never has to grow them."""
+    return zeroed_scratch(_counters, device, n, 1 << 16, "decode_attention: the split merge counters")
 
 
 _merge_warmed = set()  # (device, dtype, Hq, D) whose every merge chunk has been launched once

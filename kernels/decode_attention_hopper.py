@@ -23,7 +23,12 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
   exactly from int8 to float16, per-group partial scores scaled and summed, P scaled by the V group
   scales, V converted the same way;
 * at the end of an item the warps' (max, sum, output) are merged and the output written, or the split's
-  normalized partial and log-sum-exp for the merge kernel.
+  normalized partial and log-sum-exp. With several splits the kernel merges them itself: each split's program
+  counts its arrival on a counter per (sequence, kv head), and the last to arrive reads every split's partial
+  back from L2 and writes the output (the split-K scheme of int8_gemm), up to
+  attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits.
+  That saves the merge kernel's launch and its own load round trip: 1.0-1.7 us a call at batch 2-16 (H100,
+  attention.md, sixteenth session).
 
 Work items are taken kv head fastest, then sequences longest first (decode_attention._work_order), then
 splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up.
@@ -162,10 +167,10 @@ def _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, page, p: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
+def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
               seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
               QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, NG: gl.constexpr,
-              STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr):
+              STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr):
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
     (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
@@ -174,15 +179,15 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
         kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
         it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr,
-                           part_lse_ptr, qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb, stride_qh,
-                           stride_ob, stride_oh, QPK, QPK_PAD, HQ, NG, STAGES, SPLIT, KW)
+                           part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb,
+                           stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW)
 
 
 @gluon.jit
 def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-                  qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
-                  QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr,
-                  SPLIT: gl.constexpr, KW: gl.constexpr):
+                  count_ptr, qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb, stride_qh, stride_ob,
+                  stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                  NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr, KW: gl.constexpr):
     """One work item's keys, tiles it, it + 1, ... of the ring; returns the ring position after them."""
     PAGE: gl.constexpr = k_bufs.shape[2]
     D: gl.constexpr = k_bufs.shape[3]
@@ -253,16 +258,18 @@ def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr
     g4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(g_idx, 0), 1), 3)
     c4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(c_idx // GROUP, 0), 1), 2)
     o = gl.sum(gl.where(g4 == c4, acc4, 0.0), 2)  # [W, QPK_PAD, D]
-    _merge_store(o, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, num_splits, stride_ob, stride_oh,
-                 QPK, QPK_PAD, HQ, D, SPLIT)
+    _merge_store(o, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b, split, num_splits, stride_ob,
+                 stride_oh, QPK, QPK_PAD, HQ, HKV, D, SPLIT, MERGE)
     return it
 
 
 @gluon.jit
-def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, num_splits, stride_ob, stride_oh,
-                 QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, SPLIT: gl.constexpr):
+def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b, split, num_splits, stride_ob,
+                 stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                 D: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr):
     """Merge the warps' softmax states (o [W, QPK_PAD, D] unnormalized, m and l [W, QPK_PAD]) and write the
-    output, or the split's normalized partial and log-sum-exp for the merge kernel."""
+    output, or the split's normalized partial and log-sum-exp; with MERGE the last split of the (sequence,
+    kv head) to store its partial then merges them all into the output (_merge_splits), else the merge kernel does."""
     ol: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])
     o = gl.convert_layout(o, ol)
     m = gl.convert_layout(m, gl.SliceLayout(2, ol))
@@ -289,17 +296,67 @@ def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, kvh, b, split, nu
         gl.store(part_out_ptr + gl.expand_dims(row_base * D, 1) + gl.expand_dims(cols, 0), res, mask=row_ok)
         lse = gl.where(nonempty, gl.convert_layout(m_all, row_l) + gl.log2(l_safe), float("-inf"))
         gl.store(part_lse_ptr + row_base, lse, mask=rows < QPK)
+        if MERGE:
+            # the split-K counter scheme of int8_gemm: every warp's partial is stored before the counter moves
+            # (barrier, then a release); the last to arrive acquires them all, merges, and resets the counter
+            gl.thread_barrier()
+            counter = count_ptr + b * HKV + kvh
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, stride_ob, stride_oh,
+                              QPK, QPK_PAD, HQ, D)
+                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, stride_ob, stride_oh, QPK: gl.constexpr,
+                  QPK_PAD: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr):
+    """out for the QPK query heads of (sequence b, kv head kvh) from every split's partial (normalized output and
+    log2-sum-exp, read from L2), MERGE_CHUNK splits at a time with a running max: the merge kernel's math
+    (decode_attention._decode_reduce_kernel) for one group of heads."""
+    CH: gl.constexpr = MERGE_CHUNK
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])  # [split, head, D]
+    sl2: gl.constexpr = gl.SliceLayout(2, l3)  # [split, head]
+    hl: gl.constexpr = gl.SliceLayout(0, sl2)  # [head]
+    al: gl.constexpr = gl.SliceLayout(0, l3)  # [head, D]
+    rows = gl.arange(0, QPK_PAD, layout=hl)
+    row_ok = rows < QPK
+    head_base = (b * HQ + kvh * QPK + rows) * num_splits  # [head]: first split's row of each head
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+    cols3 = gl.expand_dims(gl.expand_dims(cols, 0), 1)
+    m = gl.full([QPK_PAD], float("-inf"), gl.float32, hl)
+    wsum = gl.zeros([QPK_PAD], gl.float32, hl)
+    acc = gl.zeros([QPK_PAD, D], gl.float32, al)
+    for s0 in range(0, num_splits, CH):
+        s = s0 + gl.arange(0, CH, layout=gl.SliceLayout(1, sl2))
+        idx = gl.expand_dims(s, 1) + gl.expand_dims(head_base, 0)  # [split, head]
+        live = gl.expand_dims(s < num_splits, 1) & gl.expand_dims(row_ok, 0)
+        # .cg: from L2, where the other programs' partials are (this SM's L1 is not coherent with them)
+        lse = gl.load(part_lse_ptr + idx, mask=live, other=float("-inf"), cache_modifier=".cg")
+        o = gl.load(part_out_ptr + gl.expand_dims(idx * D, 2) + cols3, mask=gl.expand_dims(live, 2), other=0.0,
+                    cache_modifier=".cg")
+        m_new = gl.maximum(m, gl.max(lse, 0))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty (seq_len 0)
+        w = gl.exp2(lse - gl.expand_dims(m_ref, 0))  # an empty split (lse -inf) weighs 0
+        rescale = gl.convert_layout(gl.exp2(m - m_ref), gl.SliceLayout(1, al))
+        acc = acc * gl.expand_dims(rescale, 1) + gl.sum(o * gl.expand_dims(w, 2), 0)
+        wsum = wsum * gl.exp2(m - m_ref) + gl.sum(w, 0)
+        m = m_new
+    res = acc / gl.expand_dims(gl.convert_layout(gl.where(wsum > 0, wsum, 1.0), gl.SliceLayout(1, al)), 1)
+    heads = gl.expand_dims(kvh * QPK + gl.convert_layout(rows, gl.SliceLayout(1, al)), 1)
+    gl.store(out_ptr + b * stride_ob + heads * stride_oh + gl.expand_dims(gl.convert_layout(cols, gl.SliceLayout(0, al)), 0),
+             res.to(out_ptr.dtype.element_ty), mask=heads < kvh * QPK + QPK)
 
 
 @gluon.jit(do_not_specialize=["batch", "num_splits", "stride_bt"],
            # see decode_attention._decode_kernel
            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "order_ptr"])
-def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr,
-                      block_tables_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits,
+def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_desc, v_desc, k_scale_ptr,
+                      v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits,
                       stride_qb, stride_qh, stride_ob, stride_oh, stride_sb, stride_sp, stride_sh, stride_bt,
                       QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                      NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr,
-                      PDL: gl.constexpr):
+                      NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr,
+                      KW: gl.constexpr, PDL: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     # [slot, consumer, ...]; a layout describes one slot
@@ -315,8 +372,8 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_desc, v_desc
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-                     seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob,
-                     stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, KW, PDL)),
+                     count_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob,
+                     stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW, PDL)),
         (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs,
                      v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh,
                      stride_bt, HKV, NG, STAGES, PDL)),
@@ -337,6 +394,7 @@ MAXNREG = 104
 # as SMs free up) and kept the persistent grid's gain at short uniform contexts (attention.md, ninth session).
 PROGRAMS_PER_SM = 8
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
+MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
 
 
 def ws_ok(q, k_cache, v_cache, k_scale, group):
@@ -368,7 +426,10 @@ def _descriptor(t, block):
 
 
 def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_scale, out, part_out, part_lse,
-              splits, group, order):
+              splits, group, order, counters=None):
+    """order: the sequences' indices in work order (decode_attention._work_order).
+    counters: with splits > 1, a zeroed int32 buffer of >= batch x kv heads (kernels/scratch.py) for the merge
+    inside the kernel; None leaves the partials in part_out / part_lse for the merge kernel."""
     nblk, page, hkv, d = k_cache.shape
     bsz, hq, _ = q.shape
     qpk = hq // hkv
@@ -381,13 +442,14 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
     pdl = pdl_enabled(q.device)
     _launch_kernel((grid,), dict(
         q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
-        k_desc=_descriptor(k3, (1, page, d)),
+        count_ptr=counters if counters is not None else part_lse, k_desc=_descriptor(k3, (1, page, d)),
         v_desc=TensorDescriptor(v3, list(v3.shape), list(v3.stride()), [1, v_rows, 128], V_LAYOUT),
         k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
         order_ptr=order, qk_scale=qk_scale, batch=bsz, num_splits=splits,
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
         stride_bt=block_tables.stride(0),
-        QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1, KW=KW, PDL=pdl,
+        QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1,
+        MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl,
     ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out

@@ -419,6 +419,36 @@ def test_decode_first_split_call_launches_every_merge_chunk(monkeypatch):
     assert calls == [[(16, 1), (128, 4), (4, 1)], [(128, 4)], [(4, 1)]]
 
 
+@cpu_only
+@pytest.mark.parametrize("max_splits", [16, 2, 0])
+def test_decode_ws_dispatch_merges_in_the_kernel(monkeypatch, max_splits):
+    """Host side of the Gluon kernel's merge (the kernel runs on sm_90 only; test_gpu_decode_ws_kernel runs it): with
+    2 to DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits the launch gets the zeroed per-device counters, one per
+    (sequence, kv head) at least, and no merge kernel runs; with more splits, or one, no counters and the merge
+    kernel merges (one split: nothing to merge)."""
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels import decode_attention_hopper as H
+
+    monkeypatch.setattr(C, "DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS", max_splits)
+    in_kernel = max_splits >= 3
+    monkeypatch.setattr(dmod, "_ws_ok", lambda *a: True)
+    monkeypatch.setattr(dmod, "_counters", {})
+    launches, merges = [], []
+    monkeypatch.setattr(H, "launch_ws", lambda *a: launches.append(a))
+    monkeypatch.setattr(dmod, "_reduce", lambda po, pl, out, splits: merges.append(splits) or out)
+    sc = Scenario([(40, 1), (3, 1), (90, 1)], 8, 2, 64, torch.int8, 32, seed=5)
+    q = torch.randn(3, 8, 64, dtype=torch.float16)
+    for splits in (3, 1):
+        decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125, splits)
+    fused, single = launches[0][-1], launches[1][-1]
+    assert single is None
+    if in_kernel:
+        assert merges == [1] and fused is dmod._counters[("cpu", None)]
+        assert fused.dtype == torch.int32 and fused.numel() >= 3 * 2 and int(fused.count_nonzero()) == 0
+    else:
+        assert merges == [3, 1] and fused is None
+
+
 def test_decode_work_order_longest_first_and_memo(monkeypatch):
     """The Gluon kernel's sequence order: indices by descending length (ties in batch order), built once per
     seq_lens tensor and rebuilt after an in-place change or a flag change."""
@@ -751,17 +781,21 @@ def test_decode_ws_host_copies_v_pages_as_wide_rows(monkeypatch, d):
 
 @gpu
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 128), (9, 3, 64)])
-@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("splits", [None, 1, 5, 19])
 @pytest.mark.parametrize("small_grid", [False, True])
-def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid):
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
+def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge_in_kernel):
     """The warp-specialized Gluon kernel (forced on at any batch): FlashAttention's rule against float64,
     a padded slot (seq_len 0) gives zeros, and its output is within a float16 rounding of the Triton kernel's.
-    small_grid: a grid of 16 programs, so each walks several work items through one ring."""
+    small_grid: a grid of 16 programs, so each walks several work items through one ring. merge_in_kernel: the
+    splits merged by their last program (19 splits: three steps of MERGE_CHUNK) or by the merge kernel; merged in
+    the kernel, the counters are all zero again after every call."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import decode_attention_hopper as H
 
     if small_grid:
         monkeypatch.setattr(H, "sm_count", lambda device: 16 // H.PROGRAMS_PER_SM)
+    monkeypatch.setattr(C, "DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS", 128 if merge_in_kernel else 0)
 
     seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1)]
     sc = Scenario(seqs, hq, hkv, d, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
@@ -782,6 +816,9 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid):
     padded = decode_attention_splits(q, *args, splits)
     assert (padded[3] == 0).all()
     torch.testing.assert_close(padded[4:], ws[4:], rtol=0, atol=0)
+    if merge_in_kernel and (splits or 2) > 1:
+        torch.cuda.synchronize()
+        assert dmod._counters and all(int(c.count_nonzero()) == 0 for c in dmod._counters.values())
 
 
 @gpu

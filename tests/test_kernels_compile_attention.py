@@ -143,15 +143,15 @@ WS_SCRIPT = textwrap.dedent(
 
     fn = H._decode_ws_kernel
     results = []
-    for split in (False, True):
-        sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+    for split, merge in ((False, False), (True, False), (True, True)):
+        sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "count_ptr": "*i32",
                "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": mangle_type(TensorDescriptor.from_tensor(torch.zeros(64 * 8, 16, 128, dtype=torch.int8),
                                                                     [1, 16, 128], H.V_LAYOUT)),
                "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "order_ptr": "*i32",
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
-        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, KW=H.KW, PDL=True)
+        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, MERGE=merge, KW=H.KW, PDL=True)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
@@ -159,7 +159,7 @@ WS_SCRIPT = textwrap.dedent(
         k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
         ptx = k.asm["ptx"]
-        results.append(dict(split=split, shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+        results.append(dict(split=split, merge=merge, atomics=ptx.count("atom.global"), shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
                             mma=ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
                             tma=ptx.count("cp.async.bulk.tensor.3d"), scale_copies=ptx.count("cp.async.ca.shared.global"),
                             async_arrive=ptx.count("cp.async.mbarrier.arrive.shared.b64"),
@@ -183,6 +183,7 @@ def test_decode_ws_kernel_compiles_for_sm90():
         assert r["scale_copies"] > 0 and r["async_arrive"] > 0, r
         assert r["byte_loads"] <= 1, r  # one scalar byte load outside the loop is Triton's; the tiles are words
         assert r["pdl_wait"] >= 2, r  # the producer waits before its first copies, the consumers before q
+        assert (r["atomics"] > 0) == r["merge"], r  # the merge counters: only where the kernel merges its splits
         assert 2 * r["shared"] <= HOPPER_SMEM, r
 
 
