@@ -344,8 +344,9 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, strid
         m = m_new
     res = acc / gl.expand_dims(gl.convert_layout(gl.where(wsum > 0, wsum, 1.0), gl.SliceLayout(1, al)), 1)
     heads = gl.expand_dims(kvh * QPK + gl.convert_layout(rows, gl.SliceLayout(1, al)), 1)
-    gl.store(out_ptr + b * stride_ob + heads * stride_oh + gl.expand_dims(gl.convert_layout(cols, gl.SliceLayout(0, al)), 0),
-             res.to(out_ptr.dtype.element_ty), mask=heads < kvh * QPK + QPK)
+    out_cols = gl.expand_dims(gl.convert_layout(cols, gl.SliceLayout(0, al)), 0)
+    gl.store(out_ptr + b * stride_ob + heads * stride_oh + out_cols, res.to(out_ptr.dtype.element_ty),
+             mask=heads < kvh * QPK + QPK)
 
 
 @gluon.jit(do_not_specialize=["batch", "num_splits", "stride_bt"],

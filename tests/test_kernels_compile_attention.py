@@ -144,7 +144,8 @@ WS_SCRIPT = textwrap.dedent(
     fn = H._decode_ws_kernel
     results = []
     for split, merge in ((False, False), (True, False), (True, True)):
-        sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "count_ptr": "*i32",
+        sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+               "count_ptr": "*i32",
                "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": mangle_type(TensorDescriptor.from_tensor(torch.zeros(64 * 8, 16, 128, dtype=torch.int8),
                                                                     [1, 16, 128], H.V_LAYOUT)),
                "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -159,7 +160,8 @@ WS_SCRIPT = textwrap.dedent(
         k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
         ptx = k.asm["ptx"]
-        results.append(dict(split=split, merge=merge, atomics=ptx.count("atom.global"), shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+        results.append(dict(split=split, merge=merge, atomics=ptx.count("atom.global"),
+                            shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
                             mma=ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
                             tma=ptx.count("cp.async.bulk.tensor.3d"), scale_copies=ptx.count("cp.async.ca.shared.global"),
                             async_arrive=ptx.count("cp.async.mbarrier.arrive.shared.b64"),
