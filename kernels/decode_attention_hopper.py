@@ -338,9 +338,10 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, strid
         m_new = gl.maximum(m, gl.max(lse, 0))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # every split so far empty (seq_len 0)
         w = gl.exp2(lse - gl.expand_dims(m_ref, 0))  # an empty split (lse -inf) weighs 0
-        rescale = gl.convert_layout(gl.exp2(m - m_ref), gl.SliceLayout(1, al))
-        acc = acc * gl.expand_dims(rescale, 1) + gl.sum(o * gl.expand_dims(w, 2), 0)
-        wsum = wsum * gl.exp2(m - m_ref) + gl.sum(w, 0)
+        rescale = gl.exp2(m - m_ref)
+        acc_rescale = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, al)), 1)
+        acc = acc * acc_rescale + gl.sum(o * gl.expand_dims(w, 2), 0)
+        wsum = wsum * rescale + gl.sum(w, 0)
         m = m_new
     res = acc / gl.expand_dims(gl.convert_layout(gl.where(wsum > 0, wsum, 1.0), gl.SliceLayout(1, al)), 1)
     heads = gl.expand_dims(kvh * QPK + gl.convert_layout(rows, gl.SliceLayout(1, al)), 1)
