@@ -49,6 +49,11 @@ PDL_MAX_M for the measurements).
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
+
+The "dot" and "ws" kernels load a tile's x_scale and w_scale before its K loop, so that the load
+latency is spent while the weights stream rather than after them: 3-8 % faster at M = 8-16 on the 8B
+qkv / o shapes, 4-14 % on the 1B qkv / o at M = 8-256 (docs/benchmarks/gemm.md, seventeenth session).
+The gemv kernel keeps its loads at the end: hoisted, 8B qkv at M = 2 / 4 ran 10 / 23 % slower.
 """
 
 import torch
@@ -62,12 +67,18 @@ from eightbit.kernels.scratch import zeroed_scratch
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn,
-              HAS_BIAS: tl.constexpr):
+def _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr):
+    """A tile's row and column scales, loaded before its K loop so their latency overlaps the loop."""
+    xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
+    ws = tl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)
+    return xs, ws
+
+
+@triton.jit
+def _epilogue(acc, scales, offs_m, offs_n, M, N, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS: tl.constexpr):
+    xs, ws = scales
     mask_m = offs_m < M
     mask_n = offs_n < N
-    xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
-    ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     out = acc.to(tl.float32) * xs[:, None] * ws[None, :]
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -132,6 +143,7 @@ def _int8_gemm_kernel(
 
     a_ptrs = a_ptr + rm[:, None] * stride_am + (t_start * BLOCK_K + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + rn[None, :] * stride_bn + (t_start * BLOCK_K + offs_k)[:, None] * stride_bk
+    scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for t in range(t_start, t_end):
         if EVEN_K:
@@ -146,7 +158,7 @@ def _int8_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     if SPLIT_K == 1:
-        _epilogue(acc, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
+        _epilogue(acc, scales, offs_m, offs_n, M, N, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
     else:
         # workspace [SPLIT_K, num_tiles, BLOCK_M, BLOCK_N] int32, tile-local and unmasked
         num_tiles = num_pid_m * num_pid_n
@@ -161,8 +173,7 @@ def _int8_gemm_kernel(
             for j in tl.static_range(SPLIT_K):
                 total += tl.load(tile_base + j * num_tiles * tile_elems + local, cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
-            _epilogue(total, offs_m, offs_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, stride_cm, stride_cn,
-                      HAS_BIAS)
+            _epilogue(total, scales, offs_m, offs_n, M, N, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
 
 
 @triton.jit

@@ -22,8 +22,9 @@ faster than the Triton kernels at M >= 512 on an H100, docs/benchmarks/gemm.md):
   tile against the shared B tile: wait `ready`, issue the wgmma asynchronously, wait until at most
   that one is in flight (so the previous step's has retired) and hand that step's slot back by
   arriving on its `empty` barrier (count 2: both consumers). The epilogue scales the accumulator
-  in registers and stores it through shared memory with a TMA store (bf16/fp16 outputs) or, for
-  fp32 outputs (tests, tuning), straight from registers;
+  in registers (the scales were loaded before the tile's K loop, so their latency overlaps it) and
+  stores it through shared memory with a TMA store (bf16/fp16 outputs) or, for fp32 outputs (tests and
+  the tuner's exactness check), straight from registers;
 * a tile may be the sum of two powers of two wide (split_width: 192 = 128 + 64), since Gluon tensors
   and shared buffers are powers of two: the B tile then comes as two TMA boxes into two buffers, each
   consumer keeps two accumulators and issues two wgmmas per step, and the epilogue stores two pieces.
@@ -111,17 +112,25 @@ def _producer(a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready,
 
 
 @gluon.jit
-def _epilogue(acc, off_m, off_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c_desc, c_smem, stride_cm,
-              HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+def _tile_scales(off_m, off_n, M, N, xs_ptr, ws_ptr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """A tile's row and column scales, loaded before its K loop: their latency is then spent while the wgmmas
+    run rather than between two tiles. (The bias stays in the epilogue: held through the loop as well, it
+    made 256-wide tiles spill.)"""
     offs_m = off_m + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, LAYOUT))
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LAYOUT))
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    xs = gl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
-    ws = gl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    xs = gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
+    ws = gl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)
+    return xs, ws
+
+
+@gluon.jit
+def _epilogue(acc, scales, off_m, off_n, M, N, bias_ptr, c_ptr, c_desc, c_smem, stride_cm, HAS_BIAS: gl.constexpr,
+              TMA_STORE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    xs, ws = scales
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LAYOUT))
     out = acc.to(gl.float32) * gl.expand_dims(xs, 1) * gl.expand_dims(ws, 0)
     if HAS_BIAS:
-        b = gl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(gl.float32)
+        b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
         out = out + gl.expand_dims(b, 0)
     if TMA_STORE:  # rows and columns past the edge are dropped by the copy engine (the caller has waited
         # for the previous tile's store to read c_smem)
@@ -129,8 +138,10 @@ def _epilogue(acc, off_m, off_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c_desc, 
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
     else:
+        offs_m = off_m + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, LAYOUT))
+        mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
         ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-        gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=gl.expand_dims(mask_m, 1) & gl.expand_dims(mask_n, 0))
+        gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -154,8 +165,12 @@ def _consumer(a_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = _rows_offset(pid_m, HALF, M)
+        off_n = pid_n * (BN0 + TAIL * BN1)
+        scales = _tile_scales(off_m, off_n, M, N, xs_ptr, ws_ptr, BN0, LAYOUT)
         acc = gl.zeros([SUB_M, BN0], gl.int32, LAYOUT)
         if TAIL:
+            scales1 = _tile_scales(off_m, off_n + BN0, M, N, xs_ptr, ws_ptr, BN1, LAYOUT1)
             acc1 = gl.zeros([SUB_M, BN1], gl.int32, LAYOUT1)
         for kk in range(k_tiles):
             slot = step % STAGES
@@ -176,15 +191,13 @@ def _consumer(a_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-        off_m = _rows_offset(pid_m, HALF, M)
-        off_n = pid_n * (BN0 + TAIL * BN1)
         if TMA_STORE:
             tma.store_wait(pendings=0)  # the previous tile's stores have read c_smem (and c1_smem)
-        _epilogue(acc, off_m, off_n, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c_desc, c_smem, stride_cm, HAS_BIAS,
-                  TMA_STORE, BN0, LAYOUT)
+        _epilogue(acc, scales, off_m, off_n, M, N, bias_ptr, c_ptr, c_desc, c_smem, stride_cm, HAS_BIAS, TMA_STORE, BN0,
+                  LAYOUT)
         if TAIL:
-            _epilogue(acc1, off_m, off_n + BN0, M, N, xs_ptr, ws_ptr, bias_ptr, c_ptr, c1_desc, c1_smem, stride_cm,
-                      HAS_BIAS, TMA_STORE, BN1, LAYOUT1)
+            _epilogue(acc1, scales1, off_m, off_n + BN0, M, N, bias_ptr, c_ptr, c1_desc, c1_smem, stride_cm, HAS_BIAS,
+                      TMA_STORE, BN1, LAYOUT1)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
