@@ -143,7 +143,11 @@ def _int8_gemm_kernel(
 
     a_ptrs = a_ptr + rm[:, None] * stride_am + (t_start * BLOCK_K + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + rn[None, :] * stride_bn + (t_start * BLOCK_K + offs_k)[:, None] * stride_bk
-    scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
+    # small tiles load their scales before the K loop (the latency overlaps it); 128-row tiles after it,
+    # where the registers held through the loop halved the programs per SM (128 x 128, 8 warps: 156 > 128)
+    EARLY_SCALES: tl.constexpr = BLOCK_M <= 64
+    if EARLY_SCALES:
+        scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for t in range(t_start, t_end):
         if EVEN_K:
@@ -156,6 +160,8 @@ def _int8_gemm_kernel(
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if not EARLY_SCALES:
+        scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
 
     if SPLIT_K == 1:
         _epilogue(acc, scales, offs_m, offs_n, M, N, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS)
