@@ -63,6 +63,7 @@ SMALL_CONFIGS = [
     GemmConfig(16, 64, 64, group_m=1, split_k=3, num_warps=4, num_stages=2),
     GemmConfig(32, 32, 64, group_m=2, split_k=1, num_warps=4, num_stages=2),
     GemmConfig(64, 64, 128, group_m=8, split_k=2, num_warps=4, num_stages=2),
+    GemmConfig(128, 32, 64, group_m=1, split_k=2, num_warps=4, num_stages=2),  # 128 rows: scales loaded after the loop
 ]
 SHAPES = [(1, 50, 100), (1, 64, 256), (17, 33, 96), (70, 96, 200), (33, 20, 32)]
 GEMV_CONFIGS = [  # block_m = activation rows per program; block_k in bytes (a multiple of 4)
@@ -147,7 +148,8 @@ def test_gemv_split_k_buffers_reset_and_fallback_cpu():
 
 
 @cpu
-@pytest.mark.parametrize("cfg", SMALL_CONFIGS[:2], ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("cfg", [*SMALL_CONFIGS[:2], SMALL_CONFIGS[-1]],
+                         ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}s{c.split_k}")
 @pytest.mark.parametrize("shape", [(1, 50, 100), (37, 70, 96)], ids=str)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True])
