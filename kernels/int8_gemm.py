@@ -50,10 +50,11 @@ PDL_MAX_M for the measurements).
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
 
-The "dot" and "ws" kernels load a tile's x_scale and w_scale before its K loop, so that the load
-latency is spent while the weights stream rather than after them: 3-8 % faster at M = 8-16 on the 8B
-qkv / o shapes, 4-14 % on the 1B qkv / o at M = 8-256 (docs/benchmarks/gemm.md, seventeenth session).
-The gemv kernel keeps its loads at the end: hoisted, 8B qkv at M = 2 / 4 ran 10 / 23 % slower.
+The "dot" kernel (tiles of up to 64 rows) and the "ws" kernel load a tile's x_scale and w_scale before
+its K loop, so that the load latency is spent while the weights stream rather than after them: 4-7 %
+faster at M = 8-16 on the 8B qkv / o shapes, 4-14 % on the 1B qkv / o at M = 8-256 (docs/benchmarks/gemm.md,
+seventeenth session). The gemv kernel keeps its loads at the end: hoisted, 8B qkv at M = 2 / 4 ran 10 / 23 %
+slower.
 """
 
 import torch
