@@ -7,10 +7,10 @@
    the rest of the run and printed, so it can be committed to kernels/attention_configs.py.
 3. Prefill, causal, full-sequence: TFLOP/s of ours (bf16 cache, int8 cache) vs SDPA bf16
    (cuDNN and flash backends), d in {64, 128}, seq 512..8192, 32 q / 8 kv heads.
-4. Decode, 32 q / 8 kv heads, d=128: batch (1, 8, 16, 32, 64, 256) x context (512-32k); ours int8 / bf16 over a paged cache
-   (random block permutation) and over an identity table (contiguous), vs SDPA bf16 on
-   contiguous [B, Hkv, S, D]; each timed by replaying a CUDA graph of calls over several
-   cache copies (so small shapes do not sit in L2). Bytes = the values + scales read.
+4. Decode, 32 q / 8 kv heads, d=128: batch (1, 8, 16, 32, 64, 256) x context (512-32k); ours int8 /
+   bf16 over a paged cache (random block permutation) and over an identity table (contiguous), vs SDPA
+   bf16 on contiguous [B, Hkv, S, D]; each timed by replaying a CUDA graph of calls over several cache
+   copies (so small shapes do not sit in L2). Bytes = the values + scales read.
 Writes DIR/attention_bench.json and prints a short table last.
 """
 

@@ -162,7 +162,8 @@ def main(argv=None):
     prev_table = {key: gc.GemmConfig(**e["config"]) for key, e in old.items()}
 
     def prev_of(mb, n, k):  # the committed entry of this bucket, else of bucket 16 (below it), else dot_config
-        return prev_table.get((mb, n, k)) or (prev_table.get((16, n, k)) if mb < 16 else None) or gc.dot_config(mb, n, k)
+        below_16 = prev_table.get((16, n, k)) if mb < 16 else None
+        return prev_table.get((mb, n, k)) or below_16 or gc.dot_config(mb, n, k)
 
     def cands_for(mb, n, k):
         out = list(candidates(mb))

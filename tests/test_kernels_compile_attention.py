@@ -152,7 +152,8 @@ WS_SCRIPT = textwrap.dedent(
                "order_ptr": "*i32",
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
-        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, MERGE=merge, KW=H.KW, PDL=True)
+        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, MERGE=merge, KW=H.KW,
+                      PDL=True)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
