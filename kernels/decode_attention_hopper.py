@@ -35,7 +35,8 @@ splits: a greedy longest-first schedule, since the hardware starts programs in o
 
 On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.py): its programs may be
 scheduled and set up (barriers, descriptors) while kv_write, which allows it, still runs; both partitions wait
-for it before their first global read.
+for it before their first global read. Once a program's producer has issued its last copy it allows the kernel
+after us (quant_per_token, which waits for our output) to be scheduled.
 
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
 reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
@@ -54,10 +55,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from eightbit.kernels.launch import FastLauncher, is_sm90, sm_count
-from eightbit.kernels.pdl import pdl_enabled
+from eightbit.kernels.pdl import chain_enabled, pdl_enabled
 from eightbit.kernels.prefill_attention import I8_TO_F16_PTX
 
 CONSUMERS = gl.constexpr(4)
@@ -101,7 +102,8 @@ def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constex
 @gluon.jit
 def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs, v_bufs,
               ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
-              HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+              HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+              TRIGGER: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     TILE: gl.constexpr = CONSUMERS * PAGE
@@ -142,6 +144,8 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
             _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p3, 3, kvh, HKV, D)
             p0, p1, p2, p3 = n0, n1, n2, n3
             it += 1
+    if TRIGGER:  # every copy is issued: the kernel after us (which waits for our output) may be scheduled
+        gdc_launch_dependents()
 
 
 @gluon.jit
@@ -358,7 +362,7 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_d
                       stride_qb, stride_qh, stride_ob, stride_oh, stride_sb, stride_sp, stride_sh, stride_bt,
                       QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                       NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr,
-                      KW: gl.constexpr, PDL: gl.constexpr):
+                      KW: gl.constexpr, PDL: gl.constexpr, TRIGGER: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     # [slot, consumer, ...]; a layout describes one slot
@@ -378,7 +382,7 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_d
                      stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW, PDL)),
         (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs,
                      v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh,
-                     stride_bt, HKV, NG, STAGES, PDL)),
+                     stride_bt, HKV, NG, STAGES, PDL, TRIGGER)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -452,6 +456,6 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
         stride_bt=block_tables.stride(0),
         QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1,
-        MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl,
+        MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl, TRIGGER=chain_enabled(q.device),
     ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out

@@ -45,7 +45,8 @@ and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "do
 On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py) at
 M <= 128: their programs may be scheduled as soon as the kernel before them allows it (the norm, SiLU and
 quantization kernels do as they start) and wait in `griddepcontrol.wait` before touching memory (see
-PDL_MAX_M for the measurements).
+PDL_MAX_M for the measurements). In turn they allow the kernel after them (a norm, SiLU, quantization or
+kv_write kernel, which waits for the GEMM's output) to be scheduled once their K loop is done.
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
@@ -63,7 +64,7 @@ import triton.language as tl
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
-from eightbit.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+from eightbit.kernels.pdl import allow_dependents, chain_enabled, pdl_enabled, wait_for_previous_kernel
 from eightbit.kernels.scratch import zeroed_scratch
 
 
@@ -117,6 +118,7 @@ def _int8_gemm_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     # launched with PDL (sm_90, small M): nothing is read or written before the kernel before us has completed
     wait_for_previous_kernel(PDL)
@@ -161,6 +163,8 @@ def _int8_gemm_kernel(
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    # every weight byte is in: the kernel after us (waiting for our output) may be scheduled now
+    allow_dependents(LATE_TRIGGER)
     if not EARLY_SCALES:
         scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
 
@@ -250,6 +254,7 @@ def _int8_gemv_kernel(
     EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr,
     PDL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == 1 or BLOCK_M == 2 or BLOCK_M == 4 or BLOCK_M == 8)
     wait_for_previous_kernel(PDL)  # as in _int8_gemm_kernel
@@ -302,6 +307,7 @@ def _int8_gemv_kernel(
             acc6 = _gemv_row(acc6, w, x6, k0, offs_k, KW, EVEN_K, USE_ASM)
             acc7 = _gemv_row(acc7, w, x7, k0, offs_k, KW, EVEN_K, USE_ASM)
         w_ptrs += BLOCK_KW
+    allow_dependents(LATE_TRIGGER)  # as in _int8_gemm_kernel
 
     s0 = tl.sum(acc0, axis=1)
     s1 = tl.sum(acc1, axis=1)
@@ -433,13 +439,17 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
 PDL_MAX_M = 128
 
 
-_PLAIN_LAUNCH = (dict(PDL=False), {})
-_PDL_LAUNCH = (dict(PDL=True), {"launch_pdl": True})
+_PLAIN_LAUNCH = (dict(PDL=False, LATE_TRIGGER=False), {})
+_PDL_LAUNCH = (dict(PDL=True, LATE_TRIGGER=False), {"launch_pdl": True})
+_CHAIN_LAUNCH = (dict(PDL=True, LATE_TRIGGER=True), {"launch_pdl": True})
 
 
 def _pdl(device, m):
-    """(constexprs, launch options): launched with PDL on sm_90 up to PDL_MAX_M rows (kernels/pdl.py)."""
-    return _PDL_LAUNCH if m <= PDL_MAX_M and pdl_enabled(device) else _PLAIN_LAUNCH
+    """(constexprs, launch options): launched with PDL on sm_90 up to PDL_MAX_M rows, and in the chain
+    (kernels/pdl.py) allowing the next kernel to start after the K loop."""
+    if m > PDL_MAX_M or not pdl_enabled(device):
+        return _PLAIN_LAUNCH
+    return _CHAIN_LAUNCH if chain_enabled(device) else _PDL_LAUNCH
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):

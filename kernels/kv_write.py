@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .attention_configs import KV_WRITE
 from .launch import FastLauncher
-from .pdl import allow_dependents, pdl_enabled
+from .pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 from .reference import v_token_major
 from eightbit.quant import int8
 
@@ -86,6 +86,7 @@ def _rope_kv_write_kernel(
     ROPE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
     allow_dependents(PDL)  # the decode attention after us may start its setup now; it waits for our writes
+    wait_for_previous_kernel(PDL)  # launched with PDL behind a GEMM: its output is our input
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HEAD_DIM)
@@ -194,6 +195,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
     group = d // k_scale.shape[-1] if quant else d
+    pdl, pdl_options = producer_launch(k.device)
     _launch_rope_kv((t,), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, q_out_ptr=q_out, pos_ptr=positions, cos_sin_ptr=cos_sin_cache,
         k_cache_ptr=k_cache, v_cache_ptr=v_cache, k_scale_ptr=ks, v_scale_ptr=vs, slot_ptr=slot_mapping,
@@ -205,8 +207,8 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
         stride_ksb=ks.stride(0), stride_ksp=ks.stride(1), stride_ksh=ks.stride(2),
         stride_vsb=vs.stride(0), stride_vsp=vs.stride(1), stride_vsh=vs.stride(2),
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
-        HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1], ROPE=rope, QUANT=quant, PDL=pdl_enabled(k.device),
-    ), **KV_WRITE)
+        HEAD_DIM=d, GROUP=group, PAGE_SIZE=k_cache.shape[1], ROPE=rope, QUANT=quant, PDL=pdl,
+    ), **KV_WRITE, **pdl_options)
     return q_out if rope else None
 
 

@@ -22,6 +22,23 @@ decode per layer, H100: 0.6-1.0 us faster, bit-identical (docs/benchmarks/attent
 us while the kernel still read its work order before waiting, but at a step's first layer the order's own kernel
 runs just before, so it waits first).
 
+The chain: a decode layer is rmsnorm_quant, qkv GEMM, kv_write, decode attention, quant_per_token, o GEMM,
+rmsnorm_quant, gate_up GEMM, silu_mul_quant, down GEMM, all ours. So the other half of each hand-over is covered
+too: the small-M GEMMs allow their dependents once their K loop is done (every weight byte is in) and the Gluon
+decode kernel once its producer has issued its last copy; the producers (the norm, SiLU and quantization kernels,
+kv_write) are launched with PDL and wait as they start, right after allowing their own dependents. A late trigger,
+not an early one: a GEMM that allowed dependents as it started let the next GEMM's programs hold SM slots while
+it still streamed (the 17 % above). Measured on an H100 (docs/benchmarks/gemm.md and engine.md, eighteenth
+session): engine decode at batch 1 3.67 -> 3.58 ms per token (two alternations in one call, both 3.58), the
+linear part of a decode layer 1-2 us faster at M <= 64, bit-identical. EIGHTBIT_PDL_CHAIN=0 (read at import), or
+setting CHAIN, goes back to the producer-to-GEMM hand-overs only.
+
+Since a kernel allows its dependents before it waits, the programs of three kernels can be on the GPU at once
+(a GEMM finishing, the norm behind it waiting, the next GEMM's programs waiting on the norm). Every in-flight
+kernel's programs are already resident when the next one may be scheduled (that is the trigger's condition),
+so the waiting ones only take slots that are free; and each wait returns after the kernel just before has
+completed, which itself waited for the one before it, so every earlier write is visible.
+
 Both instructions do nothing in a kernel launched without the attribute, so one compiled kernel is
 correct either way. The CPU interpreter has no inline PTX: the kernels take a PDL constexpr, False
 there and off sm_90. EIGHTBIT_PDL=0 in the environment (read at import), or setting ENABLED, turns
@@ -39,12 +56,27 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from eightbit.kernels.launch import interpreting, is_sm90
 
 ENABLED = os.environ.get("EIGHTBIT_PDL", "1") != "0"
+# the chain (module docstring): GEMMs and decode attention allow dependents late, the producers wait for them
+CHAIN = os.environ.get("EIGHTBIT_PDL_CHAIN", "1") != "0"
 
 
 def pdl_enabled(device):
     """Whether kernels on this device use PDL: sm_90, compiled (not interpreted), and ENABLED. Asked at
     every launch of the GEMMs and their producers, so the device part is answered once per device."""
     return ENABLED and _supported(device)
+
+
+def chain_enabled(device):
+    """Whether the GEMMs allow their dependents after their K loop and the producers wait for them."""
+    return CHAIN and pdl_enabled(device)
+
+
+def producer_launch(device):
+    """(PDL constexpr, launch options) of a producer kernel (norm, SiLU, quantization, kv_write): it allows its
+    dependents as it starts, and, in the chain, is itself launched with PDL and waits before its first read."""
+    if not pdl_enabled(device):
+        return False, {}
+    return True, ({"launch_pdl": True} if CHAIN else {})
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
-from eightbit.kernels.pdl import allow_dependents, pdl_enabled
+from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 
 QMAX = 127.0
 MAX_ROW = 65536  # the largest row one program holds in registers
@@ -82,6 +82,7 @@ def _quant_per_token_kernel(
     PDL: tl.constexpr,
 ):
     allow_dependents(PDL)  # a PDL GEMM after us may be scheduled now; it waits for our writes (kernels/pdl.py)
+    wait_for_previous_kernel(PDL)  # launched with PDL behind a GEMM: its output is our input
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
@@ -137,10 +138,11 @@ def quant_per_token(x):
     _, q, scale = row_outputs(m, k, None, x.device, quant=True)
     if m > 0 and k > 0:
         block, num_warps = row_launch_params(k)
+        pdl, pdl_options = producer_launch(x.device)
         _launch_quant((m,), dict(
             x_ptr=x2, q_ptr=q, scale_ptr=scale, K=k, stride_xm=x2.stride(0), stride_qm=q.stride(0),
-            CUDA_SCALE=x.is_cuda, BLOCK_K=block, PDL=pdl_enabled(x.device),
-        ), num_warps=num_warps, enable_fp_fusion=False)
+            CUDA_SCALE=x.is_cuda, BLOCK_K=block, PDL=pdl,
+        ), num_warps=num_warps, enable_fp_fusion=False, **pdl_options)
     elif m > 0:
         scale.zero_()
     return q.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)

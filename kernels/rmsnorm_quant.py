@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
-from eightbit.kernels.pdl import allow_dependents, pdl_enabled
+from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
@@ -42,6 +42,7 @@ def _rmsnorm_kernel(
     PDL: tl.constexpr,
 ):
     allow_dependents(PDL)  # a PDL GEMM after us may be scheduled now; it waits for our writes (kernels/pdl.py)
+    wait_for_previous_kernel(PDL)  # launched with PDL behind a GEMM: its output is our input
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -85,6 +86,7 @@ def _launch(x, weight, eps, residual, quant):
     out, q, scale = row_outputs(m, h, x.dtype, x.device, quant)
     if m > 0 and h > 0:
         block, num_warps = row_launch_params(h)
+        pdl, pdl_options = producer_launch(x.device)
         _launch_rmsnorm((m,), dict(
             x_ptr=x2, res_ptr=r2 if r2 is not None else x2, w_ptr=weight, out_ptr=out,
             res_out_ptr=res_out if res_out is not None else x2, q_ptr=q, scale_ptr=scale,
@@ -92,8 +94,8 @@ def _launch(x, weight, eps, residual, quant):
             stride_x=x2.stride(0), stride_res=r2.stride(0) if r2 is not None else 0, stride_out=out.stride(0),
             stride_res_out=res_out.stride(0) if res_out is not None else 0, stride_q=q.stride(0),
             HAS_RESIDUAL=residual is not None, QUANT=quant, CUDA_SCALE=x.is_cuda, BLOCK_H=block,
-            PDL=pdl_enabled(x.device),
-        ), num_warps=num_warps, enable_fp_fusion=False)
+            PDL=pdl,
+        ), num_warps=num_warps, enable_fp_fusion=False, **pdl_options)
     elif quant:
         scale.zero_()
     new_res = res_out.reshape(x.shape) if res_out is not None else None

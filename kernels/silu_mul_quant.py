@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from eightbit.kernels.launch import FastLauncher
-from eightbit.kernels.pdl import allow_dependents, pdl_enabled
+from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
 
@@ -37,6 +37,7 @@ def _silu_mul_kernel(
     PDL: tl.constexpr,
 ):
     allow_dependents(PDL)  # a PDL GEMM after us may be scheduled now; it waits for our writes (kernels/pdl.py)
+    wait_for_previous_kernel(PDL)  # launched with PDL behind a GEMM: its output is our input
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_I)
     mask = offs < I
@@ -68,12 +69,13 @@ def _launch(gate_up, quant):
     out, q, scale = row_outputs(m, i, gate_up.dtype, gate_up.device, quant)
     if m > 0 and i > 0:
         block, num_warps = row_launch_params(i)
+        pdl, pdl_options = producer_launch(gate_up.device)
         _launch_silu((m,), dict(
             gu_ptr=gu, out_ptr=out, q_ptr=q, scale_ptr=scale, I=i,
             stride_gu=gu.stride(0), stride_out=out.stride(0), stride_q=q.stride(0),
             QUANT=quant, CUDA_SCALE=gate_up.is_cuda, BLOCK_I=block,
-            PDL=pdl_enabled(gate_up.device),
-        ), num_warps=num_warps, enable_fp_fusion=False)
+            PDL=pdl,
+        ), num_warps=num_warps, enable_fp_fusion=False, **pdl_options)
     elif quant:
         scale.zero_()
     if quant:

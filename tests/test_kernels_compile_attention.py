@@ -153,7 +153,7 @@ WS_SCRIPT = textwrap.dedent(
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
         consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, MERGE=merge, KW=H.KW,
-                      PDL=True)
+                      PDL=True, TRIGGER=True)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
@@ -167,7 +167,8 @@ WS_SCRIPT = textwrap.dedent(
                             tma=ptx.count("cp.async.bulk.tensor.3d"), scale_copies=ptx.count("cp.async.ca.shared.global"),
                             async_arrive=ptx.count("cp.async.mbarrier.arrive.shared.b64"),
                             setmaxnreg=ptx.count("setmaxnreg"), byte_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.v2.b8"),
-                            pdl_wait=ptx.count("griddepcontrol.wait")))
+                            pdl_wait=ptx.count("griddepcontrol.wait"),
+                            pdl_trigger=ptx.count("griddepcontrol.launch_dependents")))
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -186,6 +187,7 @@ def test_decode_ws_kernel_compiles_for_sm90():
         assert r["scale_copies"] > 0 and r["async_arrive"] > 0, r
         assert r["byte_loads"] <= 1, r  # one scalar byte load outside the loop is Triton's; the tiles are words
         assert r["pdl_wait"] >= 2, r  # the producer waits before its first copies, the consumers before q
+        assert r["pdl_trigger"] >= 1, r  # the producer lets the next kernel start once its copies are issued
         assert (r["atomics"] > 0) == r["merge"], r  # the merge counters: only where the kernel merges its splits
         assert 2 * r["shared"] <= HOPPER_SMEM, r
 

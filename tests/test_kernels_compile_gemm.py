@@ -36,6 +36,7 @@ def _gemm_jobs():
 
 def _assert_pdl(ptx):
     assert "griddepcontrol.wait" in ptx, "the sm_90 build must wait for the previous kernel (kernels/pdl.py)"
+    assert "griddepcontrol.launch_dependents" in ptx, "the kernel after the GEMM may start after its K loop"
 
 
 def _compile_gemm(job):
@@ -55,7 +56,7 @@ def _compile_gemm(job):
         }
         consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True,
-                  "PDL": True}
+                  "PDL": True, "LATE_TRIGGER": True}
         for name in consts:
             sig[name] = "constexpr"
         div16 = ["a_ptr", "xs_ptr", "b_ptr", "ws_ptr", "bias_ptr", "c_ptr", "acc_ptr", "lock_ptr",
@@ -78,7 +79,7 @@ def _compile_gemm(job):
     consts = {
         "stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_BIAS": True,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
-        "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True,
+        "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True, "LATE_TRIGGER": True,
     }
     for name in consts:
         sig[name] = "constexpr"
@@ -164,6 +165,7 @@ def _compile_row(job):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "enable_fp_fusion": False})
     assert "griddepcontrol.launch_dependents" in k.asm["ptx"], "the GEMM after this kernel may start early"
+    assert "griddepcontrol.wait" in k.asm["ptx"], "behind a GEMM (kernels/pdl.py) it must wait for the GEMM's output"
     return job
 
 

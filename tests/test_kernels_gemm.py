@@ -540,9 +540,10 @@ def test_cuda_graph_capture(m):
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_pdl_chain_in_graph_matches_without_pdl(m):
     """A stack of norm -> GEMM -> SiLU -> GEMM layers, each kernel reading the one before, replayed from a
-    CUDA graph with PDL (the GEMMs start while their producer runs): equal bit for bit to the same chain
-    launched without PDL, and close to the plain-torch reference. A GEMM that read its input before
-    `griddepcontrol.wait` would see the previous replay's activations (x changes between replays)."""
+    CUDA graph with PDL (the GEMMs start while their producer runs, the norm and SiLU kernels while the GEMM
+    before them finishes): equal bit for bit to the same chain launched without PDL, and close to the plain-torch
+    reference. A kernel that read its input before `griddepcontrol.wait` would see the previous replay's
+    activations (x changes between replays)."""
     from eightbit.kernels import pdl
 
     if not pdl.pdl_enabled(torch.device("cuda")):
