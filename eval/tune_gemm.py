@@ -6,6 +6,11 @@
 With --buckets only those M buckets are tuned; the other entries of the existing table are kept. A tuned
 bucket keeps its committed entry unless the best candidate beats it by --min-gain (2 %) in the same run.
 
+With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
+the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
+each, alternating). The entry is marked "pdl": true or false; the launch int8_gemm would use without the mark
+(PDL for the Triton kernels up to int8_gemm.PDL_MAX_M rows, else none) stays unless the other is --min-gain faster.
+
 For every target (N, K) (Llama-3-8B and Llama-3.2-1B linear shapes) and every
 M bucket of gemm_configs.M_BUCKETS, each candidate configuration is
 1. compiled ahead in a pool of worker processes (one compile per config and
@@ -102,6 +107,14 @@ def candidates(m):
             C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]
 
 
+def choose_pdl(off_us, on_us, default, min_gain=0.02):
+    """PDL or not for a table entry, from its times without and with it: as with configs, the launch it would get
+    without a mark (default) stays unless the other is min_gain faster."""
+    if default:
+        return not off_us < (1 - min_gain) * on_us
+    return on_us < (1 - min_gain) * off_us
+
+
 def choose(timings, committed=None, min_gain=0.02):
     """The fastest of {config: us}; but the committed entry (if timed) stays unless the fastest beats it by
     min_gain, so that a re-tune replaces entries for clear gains, not for the run's noise."""
@@ -143,7 +156,10 @@ def main(argv=None):
     ap.add_argument("--log", help="write every candidate's time here (JSON)")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="keep a committed entry unless the best candidate beats it by this fraction in the same run")
+    ap.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
     args = ap.parse_args(argv)
+    if args.pdl:
+        return tune_pdl(args)
     t0 = time.time()
 
     from eightbit.eval.bench_gemm import n_copies, time_graph
@@ -234,19 +250,80 @@ def main(argv=None):
             del wqs, wss, exact
             torch.cuda.empty_cache()
     kept = [e for (mb, n, k), e in old.items() if mb not in buckets]  # with their recorded times
-    entries = sorted(kept + entries, key=lambda e: ([t for t in TARGETS].index((e["n"], e["k"]))
-                                                    if (e["n"], e["k"]) in TARGETS else 99, e["m_bucket"]))
     if args.log:
         with open(args.log, "w") as f:
             json.dump(log, f)
+    _write_table(args.out, kept + entries, t0, _load_entries(args.out)[1] if old else None)
+
+
+def _write_table(path, entries, t0, note=None):
+    entries = sorted(entries, key=lambda e: (TARGETS.index((e["n"], e["k"])) if (e["n"], e["k"]) in TARGETS else 99,
+                                             e["m_bucket"]))
     table = dict(
         device=torch.cuda.get_device_name(), triton=__import__("triton").__version__, torch=torch.__version__,
-        date=time.strftime("%Y-%m-%d"), note="written by eval/tune_gemm.py; key = (m_bucket, n, k)",
+        date=time.strftime("%Y-%m-%d"), note=note or "written by eval/tune_gemm.py; key = (m_bucket, n, k)",
         configs=entries,
     )
-    with open(args.out, "w") as f:
+    with open(path, "w") as f:
         json.dump(table, f, indent=1)
-    print(f"wrote {len(entries)} entries to {args.out} in {time.time() - t0:.0f}s")
+    print(f"wrote {len(entries)} entries to {path} in {time.time() - t0:.0f}s")
+
+
+def _load_entries(path):
+    from eightbit.kernels import gemm_configs as gc
+
+    for p in (path, gc.TABLE_PATH):
+        if os.path.exists(p):
+            with open(p) as f:
+                data = json.load(f)
+            return data.get("configs", []), data.get("note")
+    raise SystemExit(f"no table at {path} or {gc.TABLE_PATH}: --pdl measures an existing table's entries")
+
+
+def tune_pdl(args):
+    """--pdl: every entry of the buckets timed behind quant_per_token with and without PDL; sets its "pdl"."""
+    import dataclasses
+
+    from eightbit.eval.bench_gemm import n_copies, time_graph
+    from eightbit.kernels import gemm_configs as gc
+    from eightbit.kernels.int8_gemm import PDL_MAX_M, int8_gemm_with_config
+    from eightbit.kernels.quant_per_token import quant_per_token
+
+    t0 = time.time()
+    entries, note = _load_entries(args.out)
+    buckets = {int(b) for b in args.buckets.split(",") if b} or set(gc.M_BUCKETS)
+    log = []
+    for e in entries:
+        if e["m_bucket"] not in buckets or time.time() - t0 > args.budget_s:
+            continue
+        m, n, k = e["m_bucket"], e["n"], e["k"]
+        cfg = gc.GemmConfig(**e["config"])
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        nc = n_copies(n * k)
+        wqs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc)]
+        wss = [torch.rand(n, 1, device="cuda") * 0.01 for _ in range(nc)]
+        variants = {flag: dataclasses.replace(cfg, pdl=flag) for flag in (False, True)}
+        outs = [int8_gemm_with_config(*quant_per_token(x), wqs[0], wss[0], config=c) for c in variants.values()]
+        if not torch.equal(outs[0], outs[1]):
+            raise SystemExit(f"PDL changed the result: M={m} N={n} K={k} {cfg}")
+        times = {False: [], True: []}
+        for order in ((False, True), (True, False)):
+            for flag in order:
+                c = variants[flag]
+                times[flag].append(time_graph(
+                    [lambda i=i: int8_gemm_with_config(*quant_per_token(x), wqs[i], wss[i], config=c)
+                     for i in range(nc)], target_ms=2.0, replays=3))
+        off, on = (sum(times[f]) / 2 for f in (False, True))
+        e["config"]["pdl"] = choose_pdl(off, on, cfg.kernel != "ws" and m <= PDL_MAX_M, args.min_gain)
+        log.append(dict(m_bucket=m, n=n, k=k, off_us=times[False], on_us=times[True], pdl=e["config"]["pdl"]))
+        print(f"N={n:6d} K={k:6d} M<={m:5d} {cfg.kernel:4s}: quant + GEMM {off:8.2f} us, with PDL {on:8.2f} us"
+              f" -> pdl {e['config']['pdl']}", flush=True)
+        del wqs, wss
+        torch.cuda.empty_cache()
+    if args.log:
+        with open(args.log, "w") as f:
+            json.dump(log, f)
+    _write_table(args.out, entries, t0, note)
 
 
 if __name__ == "__main__":

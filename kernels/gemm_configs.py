@@ -16,7 +16,7 @@ of two, e.g. 192; falls back to "dot" elsewhere).
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import triton
 
@@ -34,13 +34,20 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     kernel: str = "dot"
+    # launched with programmatic dependent launch (kernels/pdl.py)? None: the rule, M <= int8_gemm.PDL_MAX_M for
+    # the Triton kernels and never for "ws"; a table entry says True or False where `tune_gemm --pdl` measured
+    # it. How a config is launched, not which kernel it is: left out of equality and key().
+    pdl: bool | None = field(default=None, compare=False)
 
     def key(self):
         return (self.block_m, self.block_n, self.block_k, self.group_m, self.split_k, self.num_warps, self.num_stages,
                 self.kernel)
 
     def to_dict(self):
-        return asdict(self)
+        d = asdict(self)
+        if d["pdl"] is None:
+            del d["pdl"]
+        return d
 
 
 def m_bucket(m):

@@ -43,9 +43,9 @@ and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "do
 (It replaced a persistent TMA-fed Triton kernel, "tma", which no tuned entry chose any more.)
 
 On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py) at
-M <= 128: their programs may be scheduled as soon as the kernel before them allows it (the norm, SiLU and
-quantization kernels do as they start) and wait in `griddepcontrol.wait` before touching memory (see
-PDL_MAX_M for the measurements). In turn they allow the kernel after them (a norm, SiLU, quantization or
+M <= 128, and any kernel where its table entry says so (GemmConfig.pdl): their programs may be scheduled as soon
+as the kernel before them allows it (the norm, SiLU and quantization kernels do as they start) and wait in
+`griddepcontrol.wait` before touching memory (see PDL_MAX_M for the measurements). In turn they allow the kernel after them (a norm, SiLU, quantization or
 kv_write kernel, which waits for the GEMM's output) to be scheduled once their K loop is done.
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
@@ -397,7 +397,8 @@ def _ws_ok(x_q, w_q, out):
 def _launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
     from eightbit.kernels.int8_gemm_hopper import launch_ws
 
-    return launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, sm_count(x_q.device))
+    pdl = _pdl(x_q.device, m, cfg)[0]["PDL"]
+    return launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, sm_count(x_q.device), pdl)
 
 
 def gemv_ok(x_q, w_q):
@@ -419,7 +420,7 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
         locks = _lock_buffer(x_q.device, grid[0] * grid[2])
     else:
         acc = locks = x32  # unused
-    pdl_args, pdl_options = _pdl(x_q.device, m)
+    pdl_args, pdl_options = _pdl(x_q.device, m, cfg)
     _launch_gemv_kernel(grid, dict(
         a_ptr=x32, xs_ptr=x_scale, b_ptr=w32, ws_ptr=w_scale, bias_ptr=bias if bias is not None else w_scale,
         c_ptr=out, acc_ptr=acc, lock_ptr=locks, M=m, N=n, KW=kw,
@@ -434,8 +435,10 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
 # PDL at decode sizes only (docs/benchmarks/gemm.md, twelfth session; H100, same-process A/B). At M <= 128,
 # quant_per_token + GEMM got 0.45-1.0 us faster for qkv, o and gate_up; down (K = 8192-14336) lost 0.7-1.7 us
 # at M = 8-32 there, yet the engine, where silu_mul_quant feeds down, decoded faster with it than with down
-# left out (batch 1: 3.713 vs 3.728 ms per token; 3.797 without PDL). At M = 192-256 Llama-3-8B qkv lost
-# 0.6-1.8 us (not understood yet), so larger M keeps the plain launch.
+# left out (batch 1: 3.713 vs 3.728 ms per token; 3.797 without PDL). Above that it depends on the shape: with
+# the chain, 1B o at M = 256 gains 1.1 us and 1B qkv (Gluon) at 192-256 1.7-1.9 us, while 8B qkv at M = 256 loses
+# 3 us and the long Gluon GEMMs (8B gate_up / down) 1-6 us (eighteenth session). So larger M keeps the plain
+# launch unless its table entry says otherwise (GemmConfig.pdl, measured by `tune_gemm --pdl`).
 PDL_MAX_M = 128
 
 
@@ -444,10 +447,12 @@ _PDL_LAUNCH = (dict(PDL=True, LATE_TRIGGER=False), {"launch_pdl": True})
 _CHAIN_LAUNCH = (dict(PDL=True, LATE_TRIGGER=True), {"launch_pdl": True})
 
 
-def _pdl(device, m):
-    """(constexprs, launch options): launched with PDL on sm_90 up to PDL_MAX_M rows, and in the chain
-    (kernels/pdl.py) allowing the next kernel to start after the K loop."""
-    if m > PDL_MAX_M or not pdl_enabled(device):
+def _pdl(device, m, cfg):
+    """(constexprs, launch options): launched with PDL on sm_90 where the config says so (a measured table
+    entry), else up to PDL_MAX_M rows for the Triton kernels; in the chain (kernels/pdl.py) allowing the next
+    kernel to start after the K loop."""
+    wanted = cfg.pdl if cfg.pdl is not None else (m <= PDL_MAX_M and cfg.kernel != "ws")
+    if not wanted or not pdl_enabled(device):
         return _PLAIN_LAUNCH
     return _CHAIN_LAUNCH if chain_enabled(device) else _PDL_LAUNCH
 
@@ -511,7 +516,7 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     else:
         part = locks = x_q  # unused
     bias_arg = bias if bias is not None else w_scale
-    pdl_args, pdl_options = _pdl(x_q.device, m)
+    pdl_args, pdl_options = _pdl(x_q.device, m, cfg)
     strides = (x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1))
     _launch_dot((tiles, split_k), dict(
         a_ptr=x_q, xs_ptr=x_scale, b_ptr=w_q, ws_ptr=w_scale, bias_ptr=bias_arg, c_ptr=out, part_ptr=part,

@@ -34,6 +34,13 @@ faster than the Triton kernels at M >= 512 on an H100, docs/benchmarks/gemm.md):
 * programs are persistent (one per SM) and walk tiles in grouped order, so the producer is already
   fetching the next tile while the consumers run their epilogue.
 
+Where its table entry says so (GemmConfig.pdl, measured by `tune_gemm --pdl`), it is launched with programmatic
+dependent launch (kernels/pdl.py): both partitions wait for the kernel before us before their first global
+access, and the producer lets the kernel after us be scheduled once it has issued its last copy. That gains
+0.6-1.9 us behind the quantization for the short GEMMs (Llama-3.2-1B qkv and o up to M = 2048, Llama-3-8B qkv and
+o at M <= 128) and loses up to 25 % for the long ones (8B gate_up at M = 8192: 1.36 -> 1.70 ms), hence the marks
+(docs/benchmarks/gemm.md, eighteenth session).
+
 There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the
 Triton kernels instead (see int8_gemm._ws_ok and ws_ok). A CPU test compiles this kernel for sm_90;
 the GPU tests compare it with the exact int32 product.
@@ -48,6 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from eightbit.kernels.launch import FastLauncher, is_sm90
 
@@ -86,11 +94,13 @@ def _rows_offset(pid_m, half, M):
 
 @gluon.jit
 def _producer(a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready, empty, M, num_pid_m, num_pid_n,
-              k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr):
+              k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, PDL: gl.constexpr):
     BN0: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = BN0 + TAIL * b1_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes + TAIL * b1_desc.block_type.nbytes
+    if PDL:  # launched with PDL (kernels/pdl.py): the activations are the previous kernel's output
+        gdc_wait()
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -109,6 +119,8 @@ def _producer(a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready,
                 tma.async_copy_global_to_shared(b1_desc, [pid_n * BLOCK_N + BN0, kk * BLOCK_K], bar,
                                                 b1_bufs.index(slot))
             step += 1
+    if PDL:  # every copy is issued: the kernel after us (which waits for our output) may be scheduled
+        gdc_launch_dependents()
 
 
 @gluon.jit
@@ -148,7 +160,7 @@ def _epilogue(acc, scales, off_m, off_n, M, N, bias_ptr, c_ptr, c_desc, c_smem, 
 def _consumer(a_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N,
               stride_cm, num_pid_m, num_pid_n, k_tiles, HALF: gl.constexpr, HAS_BIAS: gl.constexpr,
               TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LAYOUT: gl.constexpr,
-              TAIL: gl.constexpr, LAYOUT1: gl.constexpr):
+              TAIL: gl.constexpr, LAYOUT1: gl.constexpr, PDL: gl.constexpr):
     """One 64-row half of each tile: [64, BN0] against b_bufs and, with a TAIL, [64, BN1] against b1_bufs
     (a tile BN0 + BN1 wide, e.g. 128 + 64: a wgmma tile must be a power of two wide)."""
     BN0: gl.constexpr = b_bufs.shape[1]
@@ -162,6 +174,8 @@ def _consumer(a_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws
     else:
         c_smem = a_bufs  # unused
         c1_smem = a_bufs
+    if PDL:  # the row scales are the previous kernel's output, and it may still read what we overwrite
+        gdc_wait()
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -205,7 +219,8 @@ def _consumer(a_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws
 @gluon.jit
 def _int8_gemm_ws_kernel(a_desc, b_desc, b1_desc, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K,
                          stride_cm, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, LAYOUT: gl.constexpr, TAIL: gl.constexpr, LAYOUT1: gl.constexpr):
+                         STAGES: gl.constexpr, LAYOUT: gl.constexpr, TAIL: gl.constexpr, LAYOUT1: gl.constexpr,
+                         PDL: gl.constexpr):
     BN0: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = BN0 + TAIL * b1_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -227,12 +242,12 @@ def _int8_gemm_ws_kernel(a_desc, b_desc, b1_desc, c_desc, c1_desc, xs_ptr, ws_pt
     gl.warp_specialize([
         (_consumer, (a0_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N,
                      stride_cm, num_pid_m, num_pid_n, k_tiles, 0, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT, TAIL,
-                     LAYOUT1)),
+                     LAYOUT1, PDL)),
         (_consumer, (a1_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N,
                      stride_cm, num_pid_m, num_pid_n, k_tiles, 1, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT, TAIL,
-                     LAYOUT1)),
+                     LAYOUT1, PDL)),
         (_producer, (a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready, empty, M, num_pid_m,
-                     num_pid_n, k_tiles, GROUP_M, STAGES, TAIL)),
+                     num_pid_n, k_tiles, GROUP_M, STAGES, TAIL, PDL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -279,7 +294,9 @@ def split_width(block_n):
     return bn0, bn1
 
 
-def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms):
+def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms, pdl=False):
+    """pdl: launched with PDL (kernels/pdl.py); both partitions wait before their first global access and the
+    producer lets the next kernel be scheduled after its last copy."""
     sub_m = ROWS_PER_CONSUMER
     if cfg.block_m != 2 * sub_m or cfg.num_warps != 4 or cfg.split_k != 1:
         raise ValueError(f"a 'ws' config has block_m={2 * sub_m}, num_warps=4 and split_k=1, got {cfg}")
@@ -297,6 +314,6 @@ def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms):
         c_desc=c_desc, c1_desc=c1_desc, xs_ptr=x_scale, ws_ptr=w_scale,
         bias_ptr=bias if bias is not None else w_scale, c_ptr=out, M=m, N=n, K=k, stride_cm=out.stride(0),
         HAS_BIAS=bias is not None, TMA_STORE=tma_store, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        LAYOUT=accumulator_layout(bn0), TAIL=bn1 > 0, LAYOUT1=accumulator_layout(bn1 or bn0),
-    ), num_warps=4, enable_fp_fusion=False)
+        LAYOUT=accumulator_layout(bn0), TAIL=bn1 > 0, LAYOUT1=accumulator_layout(bn1 or bn0), PDL=pdl,
+    ), num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return out

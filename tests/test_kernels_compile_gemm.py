@@ -121,7 +121,8 @@ def _compile_ws(cfg):
                "bias_ptr": "*bf16", "c_ptr": "*bf16" if tma_store else "*fp32", "M": "i32", "N": "i32", "K": "i32",
                "stride_cm": "i32"}
         consts = {"HAS_BIAS": True, "TMA_STORE": tma_store, "GROUP_M": cfg.group_m, "STAGES": cfg.num_stages,
-                  "LAYOUT": H.accumulator_layout(bn0), "TAIL": bn1 > 0, "LAYOUT1": H.accumulator_layout(bn1 or bn0)}
+                  "LAYOUT": H.accumulator_layout(bn0), "TAIL": bn1 > 0, "LAYOUT1": H.accumulator_layout(bn1 or bn0),
+                  "PDL": True}
         sig.update({name: "constexpr" for name in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("xs_ptr", "ws_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_cm")}
@@ -130,6 +131,7 @@ def _compile_ws(cfg):
         ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
         assert "wgmma.mma_async.sync.aligned" in ptx and "s32.s8.s8" in ptx, "int8 wgmma expected"
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, "TMA copies and warp specialization expected"
+        _assert_pdl(ptx)
         in_flight = str(2 if bn1 else 1)  # one step's wgmmas stay in flight (two with a second accumulator)
         assert in_flight in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one step must stay in flight"
         if bn1:

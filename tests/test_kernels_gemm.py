@@ -200,6 +200,9 @@ def test_gemm_ws_host_launch_arguments_cpu(monkeypatch):
         assert grid == (min(132, 3 * 6),) and args["TAIL"] is True
         assert list(args["b_desc"].block_shape) == [128, 64] and list(args["b1_desc"].block_shape) == [64, 64]
         assert list(args["c1_desc"].block_shape) == ([64, 64] if tma_store else [8, 16])
+    assert calls[-1][1]["PDL"] is False and "launch_pdl" not in calls[-1][2]
+    H.launch_ws(xq, xs, wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16), m, n, k, WS_CONFIGS[0], 132, pdl=True)
+    assert calls[-1][1]["PDL"] is True and calls[-1][2]["launch_pdl"] is True
     unaligned = torch.empty(m, n + 3, dtype=torch.bfloat16)[:, :n]  # row stride of 1043 elements: no TMA store
     H.launch_ws(xq, xs, wq, ws, None, unaligned, m, n, k, WS_CONFIGS[0], 132)
     assert calls[-1][1]["TMA_STORE"] is False
@@ -209,6 +212,33 @@ def test_gemm_ws_host_launch_arguments_cpu(monkeypatch):
     with pytest.raises(ValueError, match="sum of two"):  # 160 + 64 would need a third accumulator
         H.launch_ws(xq, xs, wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16), m, n, k,
                     GemmConfig(128, 224, 64, 8, 1, 4, 6, "ws"), 132)
+
+
+@cpu
+def test_gemm_pdl_launch_rule_cpu(monkeypatch):
+    """Which GEMM launches use PDL (kernels/pdl.py) where it is available: the Triton kernels up to PDL_MAX_M rows,
+    the Gluon kernel never, unless the config (a measured table entry) says otherwise; the late trigger only in
+    the chain. A config's pdl flag is how it launches, not which kernel it is: equality and key() ignore it."""
+    import dataclasses
+
+    from eightbit.kernels import int8_gemm as mod
+
+    dev = torch.device("cpu")
+    assert mod._pdl(dev, 8, SMALL_CONFIGS[0]) == mod._PLAIN_LAUNCH  # no PDL off sm_90
+    monkeypatch.setattr(mod, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(mod, "chain_enabled", lambda device: True)
+    dot, ws = SMALL_CONFIGS[3], WS_CONFIGS[1]
+    assert mod._pdl(dev, mod.PDL_MAX_M, dot) == mod._CHAIN_LAUNCH
+    assert mod._pdl(dev, mod.PDL_MAX_M + 1, dot) == mod._PLAIN_LAUNCH
+    assert mod._pdl(dev, 8, ws) == mod._PLAIN_LAUNCH
+    assert mod._pdl(dev, 4096, dataclasses.replace(ws, pdl=True)) == mod._CHAIN_LAUNCH
+    assert mod._pdl(dev, 256, dataclasses.replace(dot, pdl=True)) == mod._CHAIN_LAUNCH
+    assert mod._pdl(dev, 8, dataclasses.replace(dot, pdl=False)) == mod._PLAIN_LAUNCH
+    monkeypatch.setattr(mod, "chain_enabled", lambda device: False)
+    assert mod._pdl(dev, 8, dot) == mod._PDL_LAUNCH  # waits, but lets no kernel after it start early
+    flagged = dataclasses.replace(ws, pdl=True)
+    assert flagged == ws and flagged.key() == ws.key() and hash(flagged) == hash(ws)
+    assert GemmConfig(**flagged.to_dict()).pdl is True and "pdl" not in ws.to_dict()
 
 
 @cpu
@@ -266,6 +296,7 @@ def test_config_table_is_well_formed():
             assert cfg.kernel in ("dot", "ws") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
             assert cfg.kernel == "dot" or cfg.split_k == 1
             assert cfg.kernel != "ws" or (cfg.block_m == 128 and cfg.num_warps == 4)
+        assert cfg.pdl in (None, True, False)
     assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(3) == 4 and gemm_configs.m_bucket(17) == 32
     assert gemm_configs.m_bucket(100000) == gemm_configs.M_BUCKETS[-1]
     for m in (1, 3, 8, 64, 65, 5000):
@@ -537,14 +568,18 @@ def test_cuda_graph_capture(m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("m", [1, 8, 64, 256, 512])
 def test_pdl_chain_in_graph_matches_without_pdl(m):
     """A stack of norm -> GEMM -> SiLU -> GEMM layers, each kernel reading the one before, replayed from a
     CUDA graph with PDL (the GEMMs start while their producer runs, the norm and SiLU kernels while the GEMM
     before them finishes): equal bit for bit to the same chain launched without PDL, and close to the plain-torch
     reference. A kernel that read its input before `griddepcontrol.wait` would see the previous replay's
-    activations (x changes between replays)."""
+    activations (x changes between replays). Every GEMM is launched with PDL here, whatever the table says: at
+    M = 256 the Triton kernel, at 512 the Gluon one."""
+    import dataclasses
+
     from eightbit.kernels import pdl
+    from eightbit.kernels.gemm_configs import get_config
 
     if not pdl.pdl_enabled(torch.device("cuda")):
         pytest.skip("PDL is used on sm_90 only (and not with EIGHTBIT_PDL=0)")
@@ -563,7 +598,10 @@ def test_pdl_chain_in_graph_matches_without_pdl(m):
             y = ops["int8_gemm"](q, s, wd, sd)
         return y
 
-    kernels = {"rmsnorm_quant": rmsnorm_quant, "silu_mul_quant": silu_mul_quant, "int8_gemm": int8_gemm}
+    def gemm_pdl(q, s, w, ws):
+        return int8_gemm_with_config(q, s, w, ws, config=dataclasses.replace(get_config(m, *w.shape), pdl=True))
+
+    kernels = {"rmsnorm_quant": rmsnorm_quant, "silu_mul_quant": silu_mul_quant, "int8_gemm": gemm_pdl}
     chain(kernels)  # warm-up outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -1,6 +1,6 @@
-"""eval/tune_gemm's choice between the committed table entry and a re-tune's fastest candidate (CPU)."""
+"""eval/tune_gemm's choices (CPU): the committed table entry or a re-tune's fastest candidate; PDL or not."""
 
-from eightbit.eval.tune_gemm import choose
+from eightbit.eval.tune_gemm import choose, choose_pdl
 from eightbit.kernels.gemm_configs import GemmConfig
 
 OLD = GemmConfig(16, 64, 256, 1, 1, 4, 6)
@@ -19,3 +19,15 @@ def test_choose_keeps_the_committed_entry_unless_clearly_beaten():
 def test_choose_takes_the_fastest_without_a_timed_committed_entry():
     assert choose({OLD: 10.0, NEW: 9.9}) == NEW  # a bucket the table did not hold
     assert choose({NEW: 9.9, OTHER: 9.7}, OLD) == OTHER  # the committed config failed its exactness check
+
+
+def test_choose_pdl_keeps_the_unmarked_launch_unless_clearly_beaten():
+    # a "ws" entry, or a Triton one above PDL_MAX_M: launched plainly unless PDL is >= 2 % faster
+    assert choose_pdl(10.0, 9.9, default=False) is False
+    assert choose_pdl(10.0, 9.79, default=False) is True
+    assert choose_pdl(10.0, 11.0, default=False) is False
+    # a Triton entry up to PDL_MAX_M: PDL unless the plain launch is >= 2 % faster
+    assert choose_pdl(9.9, 10.0, default=True) is True
+    assert choose_pdl(9.79, 10.0, default=True) is False
+    assert choose_pdl(11.0, 10.0, default=True) is True
+    assert choose_pdl(10.0, 9.5, default=False, min_gain=0.06) is False
