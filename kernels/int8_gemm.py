@@ -45,8 +45,9 @@ and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "do
 On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py) at
 M <= 128, and any kernel where its table entry says so (GemmConfig.pdl): their programs may be scheduled as soon
 as the kernel before them allows it (the norm, SiLU and quantization kernels do as they start) and wait in
-`griddepcontrol.wait` before touching memory (see PDL_MAX_M for the measurements). In turn they allow the kernel after them (a norm, SiLU, quantization or
-kv_write kernel, which waits for the GEMM's output) to be scheduled once their K loop is done.
+`griddepcontrol.wait` before touching memory (see PDL_MAX_M for the measurements). In turn they allow the
+kernel after them (a norm, SiLU, quantization or kv_write kernel, which waits for the GEMM's output) to be
+scheduled once their K loop is done.
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
