@@ -18,7 +18,8 @@ M bucket of gemm_configs.M_BUCKETS, each candidate configuration is
 2. checked: with scales of 1 the result must equal the exact int32 product (torch,
    float64) bit for bit, as an fp32 output and rounded to a bf16 one (the kernels may
    store the two differently),
-3. timed as CUDA-graph replays over rotated weight copies (eval/bench_gemm.time_graph).
+3. timed as CUDA-graph replays over rotated weight copies (eval/bench_gemm.time_graph), without the PDL
+   chain (kernels/pdl.py): GEMM after GEMM, which the engine never runs, must not overlap through it.
 The fastest correct candidate is written with its time and the default's time.
 Shapes not finished inside the budget keep the default (gemm_configs.default_config).
 """
@@ -164,7 +165,12 @@ def main(argv=None):
 
     from eightbit.eval.bench_gemm import n_copies, time_graph
     from eightbit.kernels import gemm_configs as gc
+    from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
+
+    # configs are timed GEMM after GEMM, which the engine never runs (a producer always sits between two GEMMs):
+    # without the chain, so that one GEMM's late trigger does not overlap the next; the PDL marks are --pdl's job
+    pdl.CHAIN = False
 
     buckets = [int(b) for b in args.buckets.split(",") if b] or list(gc.M_BUCKETS)
     # the table being replaced (--out, else the one the package reads): its entries are timed again as a baseline
@@ -241,7 +247,12 @@ def main(argv=None):
             if not timings:
                 continue
             best = choose(timings, prev if (mb, n, k) in prev_table else None, args.min_gain)
-            entries.append(dict(m_bucket=mb, n=n, k=k, config=best.to_dict(), us=round(timings[best], 2),
+            config = best.to_dict()
+            if prev.pdl is not None and best == prev:
+                config["pdl"] = prev.pdl  # the same config keeps its measured launch
+            elif prev.pdl is not None:
+                print(f"N={n} K={k} M<={mb}: a new config, its PDL mark dropped: re-run --pdl", flush=True)
+            entries.append(dict(m_bucket=mb, n=n, k=k, config=config, us=round(timings[best], 2),
                                 default_us=round(timings.get(default, float("nan")), 2),
                                 prev_us=round(timings.get(prev, float("nan")), 2), prev_config=prev.to_dict()))
             print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {timings.get(default, float('nan')):8.1f}us,"
@@ -287,14 +298,22 @@ def tune_pdl(args):
     from eightbit.eval.bench_gemm import n_copies, time_graph
     from eightbit.kernels import gemm_configs as gc
     from eightbit.kernels.int8_gemm import PDL_MAX_M, int8_gemm_with_config
+    from eightbit.kernels.pdl import chain_enabled
     from eightbit.kernels.quant_per_token import quant_per_token
 
+    if not chain_enabled(torch.device("cuda")):
+        raise SystemExit("--pdl needs the PDL chain (an sm_90 GPU, EIGHTBIT_PDL and EIGHTBIT_PDL_CHAIN not 0): "
+                         "without it both launches are the same and the marks would be noise")
     t0 = time.time()
     entries, note = _load_entries(args.out)
     buckets = {int(b) for b in args.buckets.split(",") if b} or set(gc.M_BUCKETS)
     log = []
     for e in entries:
-        if e["m_bucket"] not in buckets or time.time() - t0 > args.budget_s:
+        if e["m_bucket"] not in buckets:
+            continue
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent: N={e['n']} K={e['k']} M<={e['m_bucket']} not measured, keeps "
+                  f"{'its mark' if 'pdl' in e['config'] else 'no mark'}", flush=True)
             continue
         m, n, k = e["m_bucket"], e["n"], e["k"]
         cfg = gc.GemmConfig(**e["config"])
@@ -309,9 +328,8 @@ def tune_pdl(args):
         times = {False: [], True: []}
         for order in ((False, True), (True, False)):
             for flag in order:
-                c = variants[flag]
                 times[flag].append(time_graph(
-                    [lambda i=i: int8_gemm_with_config(*quant_per_token(x), wqs[i], wss[i], config=c)
+                    [lambda i=i, c=variants[flag]: int8_gemm_with_config(*quant_per_token(x), wqs[i], wss[i], config=c)
                      for i in range(nc)], target_ms=2.0, replays=3))
         off, on = (sum(times[f]) / 2 for f in (False, True))
         e["config"]["pdl"] = choose_pdl(off, on, cfg.kernel != "ws" and m <= PDL_MAX_M, args.min_gain)

@@ -449,13 +449,16 @@ _CHAIN_LAUNCH = (dict(PDL=True, LATE_TRIGGER=True), {"launch_pdl": True})
 
 
 def _pdl(device, m, cfg):
-    """(constexprs, launch options): launched with PDL on sm_90 where the config says so (a measured table
-    entry), else up to PDL_MAX_M rows for the Triton kernels; in the chain (kernels/pdl.py) allowing the next
-    kernel to start after the K loop."""
-    wanted = cfg.pdl if cfg.pdl is not None else (m <= PDL_MAX_M and cfg.kernel != "ws")
+    """(constexprs, launch options): launched with PDL on sm_90 where the config says so (a table entry's mark,
+    measured with the chain), else up to PDL_MAX_M rows for the Triton kernels; in the chain (kernels/pdl.py)
+    allowing the next kernel to start after the K loop. The Gluon kernel only ever gets PDL in the chain, so its
+    one PDL flag (wait and trigger) follows PDL here."""
+    chain = chain_enabled(device)
+    # the marks were measured with the chain: without it the rule alone holds (the twelfth session's launches)
+    wanted = cfg.pdl if cfg.pdl is not None and chain else (m <= PDL_MAX_M and cfg.kernel != "ws")
     if not wanted or not pdl_enabled(device):
         return _PLAIN_LAUNCH
-    return _CHAIN_LAUNCH if chain_enabled(device) else _PDL_LAUNCH
+    return _CHAIN_LAUNCH if chain else _PDL_LAUNCH
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):

@@ -30,8 +30,13 @@ kv_write) are launched with PDL and wait as they start, right after allowing the
 not an early one: a GEMM that allowed dependents as it started let the next GEMM's programs hold SM slots while
 it still streamed (the 17 % above). Measured on an H100 (docs/benchmarks/gemm.md and engine.md, eighteenth
 session): engine decode at batch 1 3.67 -> 3.58 ms per token (two alternations in one call, both 3.58), the
-linear part of a decode layer 1-2 us faster at M <= 64, bit-identical. EIGHTBIT_PDL_CHAIN=0 (read at import), or
-setting CHAIN, goes back to the producer-to-GEMM hand-overs only.
+linear part of a decode layer 1-2 us faster at M <= 64, bit-identical. Above M = 128, and for the Gluon GEMM, a
+GEMM gets PDL where its table entry is marked so (gemm_configs.GemmConfig.pdl, measured by `tune_gemm --pdl`).
+EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelfth session's launches: the
+producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
+
+A program counts as having allowed its dependents at the first `launch_dependents` any of its threads executes
+(Triton's and PTX's docs: repeated calls have no effect); the Gluon kernels execute it in their producer warp.
 
 Since a kernel allows its dependents before it waits, the programs of three kernels can be on the GPU at once
 (a GEMM finishing, the norm behind it waiting, the next GEMM's programs waiting on the norm). Every in-flight

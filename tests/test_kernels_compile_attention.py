@@ -53,7 +53,9 @@ SCRIPT = textwrap.dedent(
         ptx = k.asm["ptx"]
         results.append(dict(name=name, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
                             ptx_has_mma=("mma" in ptx), cubin=len(k.asm["cubin"]),
-                            byte_loads=ptx.count("ld.global.b8") + ptx.count("ld.shared.b8")))
+                            byte_loads=ptx.count("ld.global.b8") + ptx.count("ld.shared.b8"),
+                            pdl_wait=ptx.count("griddepcontrol.wait"),
+                            pdl_trigger=ptx.count("griddepcontrol.launch_dependents")))
 
     def cache_ptrs(kind):
         if kind == "int8":
@@ -123,6 +125,8 @@ def test_attention_kernels_compile_for_sm90(which):
         assert r["shared"] <= HOPPER_SMEM, r
         if not r["name"].startswith(("kv_write", "kv_dequant", "reduce")):
             assert r["ptx_has_mma"], f"{r['name']}: no tensor-core instructions in the PTX"
+        if r["name"].startswith("kv_write"):  # kernels/pdl.py: it lets the decode start, and waits for the qkv GEMM
+            assert r["pdl_trigger"] >= 1 and r["pdl_wait"] >= 1, r
             # int8 tiles must move by vector copies: byte loads mean a lost contiguity hint or layout
             assert r["byte_loads"] == 0, f"{r['name']}: {r['byte_loads']} single-byte loads in the PTX"
 

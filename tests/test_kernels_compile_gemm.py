@@ -34,9 +34,15 @@ def _gemm_jobs():
     return sorted(jobs, key=lambda j: (j[0].key(), j[1]))
 
 
-def _assert_pdl(ptx):
-    assert "griddepcontrol.wait" in ptx, "the sm_90 build must wait for the previous kernel (kernels/pdl.py)"
-    assert "griddepcontrol.launch_dependents" in ptx, "the kernel after the GEMM may start after its K loop"
+def _assert_pdl(ptx, partitions=1):
+    """Every partition waits for the previous kernel before its first global access (kernels/pdl.py), and the
+    kernel after the GEMM may start after the K loop."""
+    assert ptx.count("griddepcontrol.wait") >= partitions, "the sm_90 build must wait for the previous kernel"
+    first_wait = ptx.index("griddepcontrol.wait")
+    for access in ("ld.global", "cp.async", "st.global", "atom.global"):
+        pos = ptx.find(access)
+        assert pos == -1 or pos > first_wait, f"{access} before griddepcontrol.wait"
+    assert "griddepcontrol.launch_dependents" in ptx, "the kernel after it may be scheduled early"
 
 
 def _compile_gemm(job):
@@ -131,7 +137,7 @@ def _compile_ws(cfg):
         ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
         assert "wgmma.mma_async.sync.aligned" in ptx and "s32.s8.s8" in ptx, "int8 wgmma expected"
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, "TMA copies and warp specialization expected"
-        _assert_pdl(ptx)
+        _assert_pdl(ptx, partitions=3)  # two consumer warp groups and the producer warp
         in_flight = str(2 if bn1 else 1)  # one step's wgmmas stay in flight (two with a second accumulator)
         assert in_flight in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one step must stay in flight"
         if bn1:
@@ -144,7 +150,7 @@ def _compile_row(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from eightbit.kernels.quant_per_token import row_launch_params
+    from eightbit.kernels.quant_per_token import _quant_per_token_kernel, row_launch_params
     from eightbit.kernels.rmsnorm_quant import _rmsnorm_kernel
     from eightbit.kernels.silu_mul_quant import _silu_mul_kernel
 
@@ -156,6 +162,11 @@ def _compile_row(job):
                "q_ptr": "*i8", "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "stride_x": "i32",
                "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32", "stride_q": "i32"}
         consts = {"HAS_RESIDUAL": True, "QUANT": quant, "CUDA_SCALE": True, "BLOCK_H": block, "PDL": True}
+    elif which == "quant":
+        fn = _quant_per_token_kernel
+        sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "K": "i32", "stride_xm": "i32",
+               "stride_qm": "i32"}
+        consts = {"CUDA_SCALE": True, "BLOCK_K": block, "PDL": True}
     else:
         fn = _silu_mul_kernel
         sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "I": "i32",
@@ -166,14 +177,14 @@ def _compile_row(job):
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "enable_fp_fusion": False})
-    assert "griddepcontrol.launch_dependents" in k.asm["ptx"], "the GEMM after this kernel may start early"
-    assert "griddepcontrol.wait" in k.asm["ptx"], "behind a GEMM (kernels/pdl.py) it must wait for the GEMM's output"
+    _assert_pdl(k.asm["ptx"])  # behind a GEMM it waits for the GEMM's output; the GEMM after it may start early
     return job
 
 
 def main():
     jobs = _gemm_jobs()
-    rows = [("rms", 4096, True), ("rms", 576, False), ("silu", 14336, True), ("silu", 1536, False)]
+    rows = [("rms", 4096, True), ("rms", 576, False), ("silu", 14336, True), ("silu", 1536, False),
+            ("quant", 4096, True)]
     failed = []
     with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         futures = [(j, pool.submit(_compile_gemm, j)) for j in jobs] + [(r, pool.submit(_compile_row, r)) for r in rows]

@@ -217,8 +217,9 @@ def test_gemm_ws_host_launch_arguments_cpu(monkeypatch):
 @cpu
 def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     """Which GEMM launches use PDL (kernels/pdl.py) where it is available: the Triton kernels up to PDL_MAX_M rows,
-    the Gluon kernel never, unless the config (a measured table entry) says otherwise; the late trigger only in
-    the chain. A config's pdl flag is how it launches, not which kernel it is: equality and key() ignore it."""
+    the Gluon kernel never, unless the config (a table entry's mark) says otherwise. Without the chain the marks
+    are ignored (they were measured with it) and the Triton kernels wait but do not let the next kernel start
+    early. A config's pdl flag is how it launches, not which kernel it is: equality and key() ignore it."""
     import dataclasses
 
     from eightbit.kernels import int8_gemm as mod
@@ -234,8 +235,19 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     assert mod._pdl(dev, 4096, dataclasses.replace(ws, pdl=True)) == mod._CHAIN_LAUNCH
     assert mod._pdl(dev, 256, dataclasses.replace(dot, pdl=True)) == mod._CHAIN_LAUNCH
     assert mod._pdl(dev, 8, dataclasses.replace(dot, pdl=False)) == mod._PLAIN_LAUNCH
+    from eightbit.kernels import int8_gemm_hopper as H  # the Gluon launch gets the same decision
+
+    seen = []
+    monkeypatch.setattr(H, "launch_ws", lambda *args: seen.append(args[-1]))
+    xq, wq = torch.zeros(256, 64, dtype=torch.int8), torch.zeros(128, 64, dtype=torch.int8)
+    for cfg in (ws, dataclasses.replace(ws, pdl=True)):
+        mod._launch_ws(xq, torch.ones(256, 1), wq, torch.ones(128, 1), None, None, 256, 128, 64, cfg)
+    assert seen == [False, True]
     monkeypatch.setattr(mod, "chain_enabled", lambda device: False)
     assert mod._pdl(dev, 8, dot) == mod._PDL_LAUNCH  # waits, but lets no kernel after it start early
+    assert mod._pdl(dev, 8, dataclasses.replace(dot, pdl=False)) == mod._PDL_LAUNCH
+    assert mod._pdl(dev, 256, dataclasses.replace(dot, pdl=True)) == mod._PLAIN_LAUNCH
+    assert mod._pdl(dev, 256, dataclasses.replace(ws, pdl=True)) == mod._PLAIN_LAUNCH
     flagged = dataclasses.replace(ws, pdl=True)
     assert flagged == ws and flagged.key() == ws.key() and hash(flagged) == hash(ws)
     assert GemmConfig(**flagged.to_dict()).pdl is True and "pdl" not in ws.to_dict()
@@ -296,7 +308,7 @@ def test_config_table_is_well_formed():
             assert cfg.kernel in ("dot", "ws") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
             assert cfg.kernel == "dot" or cfg.split_k == 1
             assert cfg.kernel != "ws" or (cfg.block_m == 128 and cfg.num_warps == 4)
-        assert cfg.pdl in (None, True, False)
+        assert cfg.pdl is None or isinstance(cfg.pdl, bool)
     assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(3) == 4 and gemm_configs.m_bucket(17) == 32
     assert gemm_configs.m_bucket(100000) == gemm_configs.M_BUCKETS[-1]
     for m in (1, 3, 8, 64, 65, 5000):
