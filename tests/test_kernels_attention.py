@@ -880,6 +880,81 @@ def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
 
 
 @gpu
+def test_gpu_decode_layer_chain_same_bits_with_pdl(monkeypatch):
+    """The PDL chain through a decode layer (kernels/pdl.py): rmsnorm_quant -> qkv GEMM -> rope_kv_write -> Gluon
+    decode -> quant_per_token -> o GEMM, three layers, each layer's input the previous one's output, replayed from
+    a CUDA graph. Every hand-over is a PDL one (the GEMMs and the decode let the next kernel start early, the
+    producers and kv_write wait), so a kernel that read before its wait would read the previous layer's or the
+    warm-up's data: the bits must equal the same layers launched without PDL."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("PDL and the Gluon decode kernel are sm_90 only")
+    from eightbit.kernels import pdl
+    from eightbit.kernels.int8_gemm import int8_gemm
+    from eightbit.kernels.quant_per_token import quant_per_token
+    from eightbit.kernels.reference import v_cache_shape
+    from eightbit.kernels.rmsnorm_quant import rmsnorm_quant
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    b, hq, hkv, d, page, width, hidden = 16, 32, 8, 128, 16, 48, 2048
+
+    def weight(n, k):  # int8 weights whose products keep activations of order 1
+        return (torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=g),
+                torch.full((n, 1), 1.0 / (127 * k**0.5), device="cuda"))
+
+    layers = []
+    for _ in range(3):
+        shape = (b * width, page, hkv, d)
+        caches = (torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8, generator=g),
+                  torch.randint(-127, 128, v_cache_shape(*shape, torch.int8), device="cuda", dtype=torch.int8,
+                                generator=g),
+                  (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half(),
+                  (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half())
+        norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
+        layers.append((caches, norm_w, weight((hq + 2 * hkv) * d, hidden), weight(hidden, hq * d)))
+    bt = torch.randperm(b * width, device="cuda", dtype=torch.int32, generator=g).view(b, width).contiguous()
+    sl = torch.randint(1, width * page, (b,), device="cuda", dtype=torch.int32, generator=g)
+    pos = (sl - 1).long()
+    slots = bt.gather(1, (pos // page).view(-1, 1).int()).view(-1).long() * page + pos % page
+    cos_sin = torch.randn(width * page, d, device="cuda", generator=g)
+    x = torch.randn(b, hidden, device="cuda", generator=g).bfloat16()
+    pristine = [[t.clone() for t in layer[0]] for layer in layers]
+
+    def restore_caches():  # kv_write writes this step's token into them
+        for layer, fresh in zip(layers, pristine):
+            for t, f in zip(layer[0], fresh):
+                t.copy_(f)
+
+    def run(on):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        restore_caches()
+        outs = [None] * len(layers)
+
+        def step():
+            y = x
+            for i, ((kc, vc, ks, vs), norm_w, (wqkv, sqkv), (wo, so)) in enumerate(layers):
+                qkv = int8_gemm(*rmsnorm_quant(y, norm_w, 1e-5)[:2], wqkv, sqkv)
+                q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+                qr = rope_kv_write(q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), pos, cos_sin, kc, vc,
+                                   ks, vs, slots)
+                o = decode_attention(qr, kc, vc, ks, vs, bt, sl, d ** -0.5)
+                y = outs[i] = int8_gemm(*quant_per_token(o.reshape(b, hq * d)), wo, so)
+
+        step()  # compiles outside the capture
+        restore_caches()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        return [o.clone() for o in outs]
+
+    without, with_pdl = run(False), run(True)
+    for a, c in zip(without, with_pdl):
+        assert torch.equal(a, c)
+    assert all(torch.isfinite(o).all() and o.abs().sum() > 0 for o in with_pdl)
+
+
+@gpu
 @pytest.mark.parametrize("q_mult,k_mult,v_mult", [(30.0, 40.0, 1e-3), (1.0, 3000.0, 3000.0), (1e4, 1e-3, 1.0)])
 def test_gpu_int8_attention_float16_range(q_mult, k_mult, v_mult):
     """The int8 cache is read in float16 (q scaled by a power of two): tiny values, values near the
