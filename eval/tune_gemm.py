@@ -175,12 +175,8 @@ def main(argv=None):
     buckets = [int(b) for b in args.buckets.split(",") if b] or list(gc.M_BUCKETS)
     # the table being replaced (--out, else the one the package reads): its entries are timed again as a baseline
     # and the buckets not tuned now are kept (a non-editable install may not carry the package's json)
-    old = {}
-    for path in (args.out, gc.TABLE_PATH):
-        if os.path.exists(path):
-            with open(path) as f:
-                old = {(e["m_bucket"], e["n"], e["k"]): e for e in json.load(f).get("configs", [])}
-            break
+    old_entries, note = _load_entries(args.out)
+    old = {(e["m_bucket"], e["n"], e["k"]): e for e in old_entries}
     prev_table = {key: gc.GemmConfig(**e["config"]) for key, e in old.items()}
 
     def prev_of(mb, n, k):  # the committed entry of this bucket, else of bucket 16 (below it), else dot_config
@@ -264,7 +260,7 @@ def main(argv=None):
     if args.log:
         with open(args.log, "w") as f:
             json.dump(log, f)
-    _write_table(args.out, kept + entries, t0, _load_entries(args.out)[1] if old else None)
+    _write_table(args.out, kept + entries, t0, note)
 
 
 def _write_table(path, entries, t0, note=None):
@@ -281,6 +277,7 @@ def _write_table(path, entries, t0, note=None):
 
 
 def _load_entries(path):
+    """(entries, note) of the table at path, else of the one the package reads; ([], None) if neither exists."""
     from eightbit.kernels import gemm_configs as gc
 
     for p in (path, gc.TABLE_PATH):
@@ -288,7 +285,7 @@ def _load_entries(path):
             with open(p) as f:
                 data = json.load(f)
             return data.get("configs", []), data.get("note")
-    raise SystemExit(f"no table at {path} or {gc.TABLE_PATH}: --pdl measures an existing table's entries")
+    return [], None
 
 
 def tune_pdl(args):
@@ -306,6 +303,8 @@ def tune_pdl(args):
                          "without it both launches are the same and the marks would be noise")
     t0 = time.time()
     entries, note = _load_entries(args.out)
+    if not entries:
+        raise SystemExit(f"no table at {args.out} or in the package: --pdl measures an existing table's entries")
     buckets = {int(b) for b in args.buckets.split(",") if b} or set(gc.M_BUCKETS)
     log = []
     for e in entries:

@@ -453,10 +453,12 @@ def _pdl(device, m, cfg):
     measured with the chain), else up to PDL_MAX_M rows for the Triton kernels; in the chain (kernels/pdl.py)
     allowing the next kernel to start after the K loop. The Gluon kernel only ever gets PDL in the chain, so its
     one PDL flag (wait and trigger) follows PDL here."""
+    if not pdl_enabled(device):
+        return _PLAIN_LAUNCH
     chain = chain_enabled(device)
     # the marks were measured with the chain: without it the rule alone holds (the twelfth session's launches)
     wanted = cfg.pdl if cfg.pdl is not None and chain else (m <= PDL_MAX_M and cfg.kernel != "ws")
-    if not wanted or not pdl_enabled(device):
+    if not wanted:
         return _PLAIN_LAUNCH
     return _CHAIN_LAUNCH if chain else _PDL_LAUNCH
 

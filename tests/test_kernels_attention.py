@@ -821,6 +821,54 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
         assert dmod._counters and all(int(c.count_nonzero()) == 0 for c in dmod._counters.values())
 
 
+def _gpu_int8_caches(g, blocks, page, hkv, d):
+    """Random int8 paged K and V caches with their group scales (groups of 32) on the GPU."""
+    shape = (blocks, page, hkv, d)
+    return (torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8, generator=g),
+            torch.randint(-127, 128, R.v_cache_shape(*shape, torch.int8), device="cuda", dtype=torch.int8,
+                          generator=g),
+            (torch.rand(blocks, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half(),
+            (torch.rand(blocks, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half())
+
+
+def _gpu_decode_slots(g, b, width, page):
+    """A random block table [b, width], context lengths, and the position and cache slot of each sequence's
+    new token (the last of its context)."""
+    bt = torch.randperm(b * width, device="cuda", dtype=torch.int32, generator=g).view(b, width).contiguous()
+    sl = torch.randint(1, width * page, (b,), device="cuda", dtype=torch.int32, generator=g)
+    pos = (sl - 1).long()
+    slots = bt.gather(1, (pos // page).view(-1, 1).int()).view(-1).long() * page + pos % page
+    return bt, sl, pos, slots
+
+
+def _graph_outputs_without_and_with_pdl(monkeypatch, caches, n_out, step):
+    """step(outs) fills outs[0 .. n_out - 1]; it runs once eagerly (compiling), then is captured in a CUDA graph
+    that is replayed once, with PDL off and then on. The caches, which kv_write writes, are restored before each
+    run and before the capture. Returns (outputs without PDL, outputs with it)."""
+    from eightbit.kernels import pdl
+
+    pristine = [t.clone() for t in caches]
+
+    def restore_caches():
+        for t, fresh in zip(caches, pristine):
+            t.copy_(fresh)
+
+    def run(on):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        restore_caches()
+        outs = [None] * n_out
+        step(outs)  # compiles outside the capture
+        restore_caches()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(outs)
+        graph.replay()
+        torch.cuda.synchronize()
+        return [o.clone() for o in outs]
+
+    return run(False), run(True)
+
+
 @gpu
 def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
     """kv_write lets the Gluon decode after it start early (programmatic dependent launch, sm_90), and the decode
@@ -828,52 +876,20 @@ def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
     graph give the same bits with PDL as without, for every layer."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("PDL and the Gluon decode kernel are sm_90 only")
-    from eightbit.kernels import pdl
-    from eightbit.kernels.reference import v_cache_shape
-
     g = torch.Generator(device="cuda").manual_seed(7)
     b, hq, hkv, d, page, width = 16, 32, 8, 128, 16, 48
-    layers = []
-    for _ in range(4):
-        shape = (b * width, page, hkv, d)
-        layers.append((torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8, generator=g),
-                       torch.randint(-127, 128, v_cache_shape(*shape, torch.int8), device="cuda", dtype=torch.int8,
-                                     generator=g),
-                       (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half(),
-                       (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half()))
-    bt = torch.randperm(b * width, device="cuda", dtype=torch.int32, generator=g).view(b, width).contiguous()
-    sl = torch.randint(1, width * page, (b,), device="cuda", dtype=torch.int32, generator=g)
-    pos = (sl - 1).long()
-    slots = bt.gather(1, (pos // page).view(-1, 1).int()).view(-1).long() * page + pos % page
+    layers = [_gpu_int8_caches(g, b * width, page, hkv, d) for _ in range(4)]
+    bt, sl, pos, slots = _gpu_decode_slots(g, b, width, page)
     cos_sin = torch.randn(width * page, d, device="cuda", generator=g)
     q, k, v = (torch.randn(b, h, d, device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
-    pristine = [[t.clone() for t in caches] for caches in layers]
 
-    def restore_caches():  # kv_write writes this step's token into them
-        for caches, fresh in zip(layers, pristine):
-            for t, f in zip(caches, fresh):
-                t.copy_(f)
+    def step(outs):
+        for i, (kc, vc, ks, vs) in enumerate(layers):
+            qr = rope_kv_write(q, k, v, pos, cos_sin, kc, vc, ks, vs, slots)
+            outs[i] = decode_attention(qr, kc, vc, ks, vs, bt, sl, d ** -0.5)
 
-    def run(on):
-        monkeypatch.setattr(pdl, "ENABLED", on)
-        restore_caches()
-        outs = [None] * len(layers)
-
-        def step():
-            for i, (kc, vc, ks, vs) in enumerate(layers):
-                qr = rope_kv_write(q, k, v, pos, cos_sin, kc, vc, ks, vs, slots)
-                outs[i] = decode_attention(qr, kc, vc, ks, vs, bt, sl, d ** -0.5)
-
-        step()  # compiles outside the capture
-        restore_caches()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        return [o.clone() for o in outs]
-
-    without, with_pdl = run(False), run(True)
+    caches = [t for layer in layers for t in layer]
+    without, with_pdl = _graph_outputs_without_and_with_pdl(monkeypatch, caches, len(layers), step)
     for a, c in zip(without, with_pdl):
         assert torch.equal(a, c)
     assert all(o.abs().sum() > 0 for o in with_pdl)
@@ -888,10 +904,8 @@ def test_gpu_decode_layer_chain_same_bits_with_pdl(monkeypatch):
     warm-up's data: the bits must equal the same layers launched without PDL."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("PDL and the Gluon decode kernel are sm_90 only")
-    from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm
     from eightbit.kernels.quant_per_token import quant_per_token
-    from eightbit.kernels.reference import v_cache_shape
     from eightbit.kernels.rmsnorm_quant import rmsnorm_quant
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -903,52 +917,25 @@ def test_gpu_decode_layer_chain_same_bits_with_pdl(monkeypatch):
 
     layers = []
     for _ in range(3):
-        shape = (b * width, page, hkv, d)
-        caches = (torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8, generator=g),
-                  torch.randint(-127, 128, v_cache_shape(*shape, torch.int8), device="cuda", dtype=torch.int8,
-                                generator=g),
-                  (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half(),
-                  (torch.rand(b * width, page, hkv, d // 32, device="cuda", generator=g) * 0.02 + 1e-3).half())
+        caches = _gpu_int8_caches(g, b * width, page, hkv, d)
         norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
         layers.append((caches, norm_w, weight((hq + 2 * hkv) * d, hidden), weight(hidden, hq * d)))
-    bt = torch.randperm(b * width, device="cuda", dtype=torch.int32, generator=g).view(b, width).contiguous()
-    sl = torch.randint(1, width * page, (b,), device="cuda", dtype=torch.int32, generator=g)
-    pos = (sl - 1).long()
-    slots = bt.gather(1, (pos // page).view(-1, 1).int()).view(-1).long() * page + pos % page
+    bt, sl, pos, slots = _gpu_decode_slots(g, b, width, page)
     cos_sin = torch.randn(width * page, d, device="cuda", generator=g)
     x = torch.randn(b, hidden, device="cuda", generator=g).bfloat16()
-    pristine = [[t.clone() for t in layer[0]] for layer in layers]
 
-    def restore_caches():  # kv_write writes this step's token into them
-        for layer, fresh in zip(layers, pristine):
-            for t, f in zip(layer[0], fresh):
-                t.copy_(f)
+    def step(outs):
+        y = x
+        for i, ((kc, vc, ks, vs), norm_w, (wqkv, sqkv), (wo, so)) in enumerate(layers):
+            qkv = int8_gemm(*rmsnorm_quant(y, norm_w, 1e-5)[:2], wqkv, sqkv)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            qr = rope_kv_write(q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), pos, cos_sin, kc, vc,
+                               ks, vs, slots)
+            o = decode_attention(qr, kc, vc, ks, vs, bt, sl, d ** -0.5)
+            y = outs[i] = int8_gemm(*quant_per_token(o.reshape(b, hq * d)), wo, so)
 
-    def run(on):
-        monkeypatch.setattr(pdl, "ENABLED", on)
-        restore_caches()
-        outs = [None] * len(layers)
-
-        def step():
-            y = x
-            for i, ((kc, vc, ks, vs), norm_w, (wqkv, sqkv), (wo, so)) in enumerate(layers):
-                qkv = int8_gemm(*rmsnorm_quant(y, norm_w, 1e-5)[:2], wqkv, sqkv)
-                q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-                qr = rope_kv_write(q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), pos, cos_sin, kc, vc,
-                                   ks, vs, slots)
-                o = decode_attention(qr, kc, vc, ks, vs, bt, sl, d ** -0.5)
-                y = outs[i] = int8_gemm(*quant_per_token(o.reshape(b, hq * d)), wo, so)
-
-        step()  # compiles outside the capture
-        restore_caches()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        return [o.clone() for o in outs]
-
-    without, with_pdl = run(False), run(True)
+    caches = [t for layer in layers for t in layer[0]]
+    without, with_pdl = _graph_outputs_without_and_with_pdl(monkeypatch, caches, len(layers), step)
     for a, c in zip(without, with_pdl):
         assert torch.equal(a, c)
     assert all(torch.isfinite(o).all() and o.abs().sum() > 0 for o in with_pdl)
