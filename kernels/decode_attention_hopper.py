@@ -35,8 +35,10 @@ splits: a greedy longest-first schedule, since the hardware starts programs in o
 
 On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.py): its programs may be
 scheduled and set up (barriers, descriptors) while kv_write, which allows it, still runs; both partitions wait
-for it before their first global read. Once a program's producer has issued its last copy it allows the kernel
-after us (quant_per_token, which waits for our output) to be scheduled.
+for it before their first global read. Before it waits, the producer pulls its program's first tile of pages
+into L2 (_prefetch_first_tiles: hints only, from indices that may be stale), so the first copies after the
+wait come from L2. Once a program's producer has issued its last copy it allows the kernel after us
+(quant_per_token, which waits for our output) to be scheduled.
 
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
 reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
@@ -85,6 +87,55 @@ def _wait_for_previous_kernel(PDL: gl.constexpr):
 
 
 @gluon.jit
+def _prefetch_l2(ptrs, live):
+    """prefetch.global.L2 of each live pointer's 128-byte line: a hint, so it is correct whatever the line holds."""
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l,r", [ptrs, live.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, batch,
+                          num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
+                          HKV: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr, TILES: gl.constexpr):
+    """Before the PDL wait, in the producer warp: pull the K and V pages (and their scales) of this program's first
+    TILES tiles into L2, so that its first copies after the wait find them there. The kernel before us may still
+    be writing the work order, and the cache at the newest keys, so everything read here is a hint: loaded
+    around L1 (.cg, so the loads after the wait cannot hit a stale line) and clamped into its tensor, so every
+    address stays valid; the copies after the wait read the real values, from L2 where the kernel before us
+    wrote them (L2 is where every SM's writes meet)."""
+    TILE: gl.constexpr = CONSUMERS * PAGE
+    VL: gl.constexpr = D * PAGE // 128  # a V page is D * PAGE contiguous bytes
+    pl: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0])  # the producer's one warp
+    item = gl.program_id(0)
+    kvh = item % HKV
+    b = gl.load(order_ptr + (item // HKV) % batch, cache_modifier=".cg")
+    b = gl.minimum(gl.maximum(b, 0), batch - 1).to(gl.int64)
+    seq_len = gl.load(seq_lens_ptr + b, cache_modifier=".cg").to(gl.int32)
+    seq_len = gl.minimum(gl.maximum(seq_len, 0), bt_width * PAGE)
+    per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
+    start = (item // (HKV * batch)) * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    pages = gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, pl))
+    rows = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, pl)), 0)
+    lines = gl.expand_dims(gl.arange(0, VL, layout=gl.SliceLayout(0, pl)), 0)
+    for t in gl.static_range(TILES):
+        col = (start + t * TILE) // PAGE + pages
+        live = (col * PAGE < end) & (col < bt_width)
+        page = gl.load(block_tables_ptr + b * stride_bt + col, mask=live, other=0, cache_modifier=".cg")
+        page = gl.expand_dims(gl.minimum(gl.maximum(page, 0), num_blocks - 1).to(gl.int64), 1)
+        # pages past the end get nothing (else every empty split would hammer page 0's lines); "& (x >= 0)"
+        # broadcasts the pages' flags to the [page, row] and [page, line] shapes
+        live = gl.expand_dims(live, 1)
+        k_live = live & (rows >= 0)
+        _prefetch_l2(k_ptr + (page * PAGE + rows) * (HKV * D) + kvh * D, k_live)
+        _prefetch_l2(v_ptr + (page * HKV + kvh) * (D * PAGE) + lines * 128, live & (lines >= 0))
+        s_off = page * stride_sb + rows * stride_sp + kvh * stride_sh
+        _prefetch_l2(k_scale_ptr + s_off, k_live)
+        _prefetch_l2(v_scale_ptr + s_off, k_live)
+
+
+@gluon.jit
 def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr):
     """Work item -> (kv head, sequence, split, first key, end key): kv head fastest, sequences longest first
     (order_ptr: the batch's indices by descending length), with the Triton kernel's split rule, splits rounded
@@ -100,10 +151,10 @@ def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constex
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs, v_bufs,
-              ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh, stride_bt,
-              HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              TRIGGER: gl.constexpr):
+def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
+              k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, num_blocks, bt_width, stride_sb,
+              stride_sp, stride_sh, stride_bt, HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr,
+              PDL: gl.constexpr, TRIGGER: gl.constexpr, PREFETCH_TILES: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     TILE: gl.constexpr = CONSUMERS * PAGE
@@ -115,6 +166,10 @@ def _producer(k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_le
     groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     page_of_key = keys_3d // PAGE  # which of the tile's pages a scale thread copies from
+    if PDL and PREFETCH_TILES > 0:
+        _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
+                              batch, num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
+                              HKV, PAGE, D, PREFETCH_TILES)
     _wait_for_previous_kernel(PDL)
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
@@ -354,15 +409,16 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, strid
              mask=heads < kvh * QPK + QPK)
 
 
-@gluon.jit(do_not_specialize=["batch", "num_splits", "stride_bt"],
+@gluon.jit(do_not_specialize=["batch", "num_splits", "num_blocks", "bt_width", "stride_bt"],
            # see decode_attention._decode_kernel
            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "order_ptr"])
-def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_desc, v_desc, k_scale_ptr,
-                      v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits,
-                      stride_qb, stride_qh, stride_ob, stride_oh, stride_sb, stride_sp, stride_sh, stride_bt,
-                      QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                      NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr,
-                      KW: gl.constexpr, PDL: gl.constexpr, TRIGGER: gl.constexpr):
+def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_desc, v_desc, k_ptr, v_ptr,
+                      k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, qk_scale, batch,
+                      num_splits, num_blocks, bt_width, stride_qb, stride_qh, stride_ob, stride_oh, stride_sb,
+                      stride_sp, stride_sh, stride_bt, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr,
+                      HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                      MERGE: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr, TRIGGER: gl.constexpr,
+                      PREFETCH_TILES: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     # [slot, consumer, ...]; a layout describes one slot
@@ -380,9 +436,10 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_d
         (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
                      count_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob,
                      stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW, PDL)),
-        (_producer, (k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, k_bufs,
-                     v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, stride_sb, stride_sp, stride_sh,
-                     stride_bt, HKV, NG, STAGES, PDL, TRIGGER)),
+        (_producer, (k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
+                     order_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, num_blocks,
+                     bt_width, stride_sb, stride_sp, stride_sh, stride_bt, HKV, NG, STAGES, PDL, TRIGGER,
+                     PREFETCH_TILES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -399,6 +456,11 @@ MAXNREG = 104
 # the engine's mixed context lengths 8 balanced like one program per item (the hardware hands out programs
 # as SMs free up) and kept the persistent grid's gain at short uniform contexts (attention.md, ninth session).
 PROGRAMS_PER_SM = 8
+# Tiles of each program's first work item pulled into L2 before the PDL wait (_prefetch_first_tiles); 0: none.
+# H100, same process (attention.md, nineteenth session): behind kv_write, us per kv_write + decode +
+# quant_per_token, 0 -> 1 tile: 16 x 2k 38.3 -> 36.9, 64 x 640 47.7 -> 46.5, 1 x 4k 14.9 -> 13.9; calls back to
+# back 16 x 2k 33.1 -> 32.6, 256 x 2k +0.4 %. Two tiles, or the prefetch in the consumer warps: no better.
+PREFETCH_TILES = 1
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
 
@@ -450,12 +512,14 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
         count_ptr=counters if counters is not None else part_lse, k_desc=_descriptor(k3, (1, page, d)),
         v_desc=TensorDescriptor(v3, list(v3.shape), list(v3.stride()), [1, v_rows, 128], V_LAYOUT),
-        k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables, seq_lens_ptr=seq_lens,
-        order_ptr=order, qk_scale=qk_scale, batch=bsz, num_splits=splits,
+        k_ptr=k_cache, v_ptr=v_cache, k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens, order_ptr=order, qk_scale=qk_scale, batch=bsz, num_splits=splits, num_blocks=nblk,
+        bt_width=block_tables.shape[1],
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
         stride_bt=block_tables.stride(0),
         QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1,
         MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl, TRIGGER=chain_enabled(q.device),
+        PREFETCH_TILES=PREFETCH_TILES,
     ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out

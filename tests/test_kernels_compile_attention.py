@@ -133,7 +133,7 @@ def test_attention_kernels_compile_for_sm90(which):
 
 WS_SCRIPT = textwrap.dedent(
     r"""
-    import json, torch, triton
+    import json, re, torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -145,6 +145,14 @@ WS_SCRIPT = textwrap.dedent(
         t = torch.zeros(*shape, dtype=torch.int8)
         return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.int8)))
 
+    def _prefetch_start(ptx):
+        # the prefetching partition's instructions from its start (after the register hand-over) up to its
+        # first mbarrier wait, in order: global loads (.cg or not), prefetches, and the PDL wait
+        first_prefetch = ptx.find("prefetch.global.L2")
+        start = ptx.rfind("setmaxnreg", 0, first_prefetch)
+        part = ptx[start:ptx.find("mbarrier.try_wait", first_prefetch)]
+        return re.findall(r"ld\.global\.cg|ld\.global|prefetch\.global\.L2|griddepcontrol\.wait", part)
+
     fn = H._decode_ws_kernel
     results = []
     for split, merge in ((False, False), (True, False), (True, True)):
@@ -152,12 +160,13 @@ WS_SCRIPT = textwrap.dedent(
                "count_ptr": "*i32",
                "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": mangle_type(TensorDescriptor.from_tensor(torch.zeros(64 * 8, 16, 128, dtype=torch.int8),
                                                                     [1, 16, 128], H.V_LAYOUT)),
+               "k_ptr": "*i8", "v_ptr": "*i8",
                "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "order_ptr": "*i32",
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
         consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, MERGE=merge, KW=H.KW,
-                      PDL=True, TRIGGER=True)
+                      PDL=True, TRIGGER=True, PREFETCH_TILES=H.PREFETCH_TILES)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
@@ -172,7 +181,9 @@ WS_SCRIPT = textwrap.dedent(
                             async_arrive=ptx.count("cp.async.mbarrier.arrive.shared.b64"),
                             setmaxnreg=ptx.count("setmaxnreg"), byte_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.v2.b8"),
                             pdl_wait=ptx.count("griddepcontrol.wait"),
-                            pdl_trigger=ptx.count("griddepcontrol.launch_dependents")))
+                            pdl_trigger=ptx.count("griddepcontrol.launch_dependents"),
+                            prefetch=ptx.count("prefetch.global.L2"),
+                            prefetch_start=_prefetch_start(ptx)))
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -193,6 +204,13 @@ def test_decode_ws_kernel_compiles_for_sm90():
         assert r["pdl_wait"] >= 2, r  # the producer waits before its first copies, the consumers before q
         assert r["pdl_trigger"] >= 1, r  # the producer lets the next kernel start once its copies are issued
         assert (r["atomics"] > 0) == r["merge"], r  # the merge counters: only where the kernel merges its splits
+        # the consumers' L2 prefetch of the first tiles, before their wait, from indices loaded around L1
+        # (a stale line there would be read again after the wait)
+        start = r["prefetch_start"]
+        assert r["prefetch"] > 0 and "griddepcontrol.wait" in start, r
+        before_wait = start[:start.index("griddepcontrol.wait")]
+        assert "prefetch.global.L2" in before_wait and "prefetch.global.L2" not in start[len(before_wait):], r
+        assert set(before_wait) == {"ld.global.cg", "prefetch.global.L2"}, r
         assert 2 * r["shared"] <= HOPPER_SMEM, r
 
 
