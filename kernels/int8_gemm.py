@@ -47,7 +47,9 @@ M <= 128, and any kernel where its table entry says so (GemmConfig.pdl): their p
 as the kernel before them allows it (the norm, SiLU and quantization kernels do as they start) and wait in
 `griddepcontrol.wait` before touching memory (see PDL_MAX_M for the measurements). In turn they allow the
 kernel after them (a norm, SiLU, quantization or kv_write kernel, which waits for the GEMM's output) to be
-scheduled once their K loop is done.
+scheduled once their K loop is done. Before they wait, each program prefetches the first PREFETCH_LINES
+128-byte lines of its weight rows into L2 (the weights are not what the kernel before writes, and a prefetch
+is only a hint anyway), so the first loads after the wait do not pay DRAM latency.
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
@@ -65,7 +67,7 @@ import triton.language as tl
 
 from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
-from eightbit.kernels.pdl import allow_dependents, chain_enabled, pdl_enabled, wait_for_previous_kernel
+from eightbit.kernels.pdl import allow_dependents, chain_enabled, pdl_enabled, prefetch_l2, wait_for_previous_kernel
 from eightbit.kernels.scratch import zeroed_scratch
 
 
@@ -120,9 +122,8 @@ def _int8_gemm_kernel(
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr,
+    PREFETCH: tl.constexpr,  # 128-byte lines of each weight row pulled into L2 before the PDL wait
 ):
-    # launched with PDL (sm_90, small M): nothing is read or written before the kernel before us has completed
-    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -144,6 +145,12 @@ def _int8_gemm_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
+
+    if PREFETCH > 0:
+        pf_k = tl.minimum(t_start * BLOCK_K + tl.arange(0, PREFETCH) * 128, K - 1)
+        prefetch_l2(b_ptr + rn[:, None] * stride_bn + pf_k[None, :] * stride_bk)
+    # launched with PDL (sm_90, small M): nothing is read or written before the kernel before us has completed
+    wait_for_previous_kernel(PDL)
 
     a_ptrs = a_ptr + rm[:, None] * stride_am + (t_start * BLOCK_K + offs_k)[None, :] * stride_ak
     b_ptrs = b_ptr + rn[None, :] * stride_bn + (t_start * BLOCK_K + offs_k)[:, None] * stride_bk
@@ -256,9 +263,9 @@ def _int8_gemv_kernel(
     USE_ASM: tl.constexpr,
     PDL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr,
+    PREFETCH: tl.constexpr,  # as in _int8_gemm_kernel
 ):
     tl.static_assert(BLOCK_M == 1 or BLOCK_M == 2 or BLOCK_M == 4 or BLOCK_M == 8)
-    wait_for_previous_kernel(PDL)  # as in _int8_gemm_kernel
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -270,6 +277,10 @@ def _int8_gemv_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
+    if PREFETCH > 0:  # 32 words a line
+        pf_k = tl.minimum(t_start * BLOCK_KW + tl.arange(0, PREFETCH) * 32, KW - 1)
+        prefetch_l2(b_ptr + rn[:, None] * stride_bn + pf_k[None, :])
+    wait_for_previous_kernel(PDL)  # as in _int8_gemm_kernel
 
     m0 = pid_m * BLOCK_M
     x0 = a_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_am
@@ -428,7 +439,7 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
         stride_am=x_q.stride(0) // 4, stride_bn=w_q.stride(0) // 4, stride_cm=out.stride(0), stride_cn=out.stride(1),
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw, SPLIT_K=split_k, EVEN_K=(kw % bkw == 0),
-        USE_ASM=x_q.device.type == "cuda", **pdl_args,
+        USE_ASM=x_q.device.type == "cuda", PREFETCH=_prefetch(pdl_args), **pdl_args,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_options)
     return out
 
@@ -461,6 +472,18 @@ def _pdl(device, m, cfg):
     if not wanted:
         return _PLAIN_LAUNCH
     return _CHAIN_LAUNCH if chain else _PDL_LAUNCH
+
+
+# 128-byte lines of each weight row a PDL-launched Triton GEMM pulls into L2 before its wait (0: none). H100, same
+# process (docs/benchmarks/gemm.md, nineteenth session), 0 -> 4 lines: quant_per_token + GEMM faster in 29 of 32
+# cells at M = 1-64, by up to 2.3 us (8B qkv at M = 16 12.96 -> 12.18 us), the other three within 0.2 us; the
+# linear part of a decode layer 1-7 % faster at M = 1-128; GEMM after GEMM mixed (1B gate_up at M = 8 13.5 -> 14.1
+# us). 8 lines: no better, and worse at 1B M = 128.
+PREFETCH_LINES = 4
+
+
+def _prefetch(pdl_args):
+    return PREFETCH_LINES if pdl_args["PDL"] else 0
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):
@@ -531,7 +554,7 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         stride_cm=strides[4], stride_cn=strides[5],
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0), **pdl_args,
+        SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0), PREFETCH=_prefetch(pdl_args), **pdl_args,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_options)
     return out
 

@@ -13,8 +13,8 @@ M (int8_gemm._pdl says which shapes) and wait before their first load, and the k
 their int8 inputs (rmsnorm_quant, silu_mul_quant, quant_per_token) allow dependents as they start.
 Measured on an H100 (docs/benchmarks/gemm.md, twelfth session): engine decode 2.2 % faster per token at
 batch 1 and 1.6 % more decode tokens/s at batch 64. Tried, not kept: the GEMMs allowing their own
-dependents early (a GEMM right after a GEMM got up to 17 % slower at M = 8-16), and bulk-prefetching
-weight rows into L2 before the wait (faster for some shapes, slower for others).
+dependents early (a GEMM right after a GEMM got up to 17 % slower at M = 8-16), and, before the chain below,
+bulk-prefetching weight rows into L2 before the wait (faster for some shapes, slower for others).
 
 And where the int8 decode attention starts: kv_write allows dependents as it starts, and the Gluon decode
 kernel (decode_attention_hopper.py) is launched with PDL and waits before its first global read. kv_write +
@@ -34,6 +34,15 @@ linear part of a decode layer 1-2 us faster at M <= 64, bit-identical. Above M =
 GEMM gets PDL where its table entry is marked so (gemm_configs.GemmConfig.pdl, measured by `tune_gemm --pdl`).
 EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelfth session's launches: the
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
+
+What a kernel does before its wait: nothing that reads what the previous kernel may still be writing, and
+nothing that writes. An L2 prefetch (`prefetch_l2`) is a hint whatever the line holds, so with the chain the
+PDL-launched Triton GEMMs pull the first 512 bytes of each of their weight rows into L2 before waiting
+(int8_gemm.PREFETCH_LINES), and the Gluon decode kernel its first tile of pages (decode_attention_hopper.
+PREFETCH_TILES). Their first loads after the wait then come from L2 instead of DRAM. Measured on an H100
+(docs/benchmarks/gemm.md, attention.md and engine.md, nineteenth session), same process: the linear part of a
+decode layer 1-7 % faster at M = 1-128, kv_write + decode + quant_per_token 0.5-1.4 us faster a layer at batch
+1-64; the engine's decode 2.5 % more tokens/s at batch 16, 3.7 % at 64, 0.5 % at batch 1; bit-identical.
 
 A program counts as having allowed its dependents at the first `launch_dependents` any of its threads executes
 (Triton's and PTX's docs: repeated calls have no effect); the Gluon kernels execute it in their producer warp.
@@ -101,3 +110,11 @@ def allow_dependents(PDL: tl.constexpr):
     """Let the next kernel on the stream schedule its programs (they still wait for us before their reads)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """prefetch.global.L2 of each pointer's 128-byte line. A hint: correct whatever the line holds, so it may be
+    issued before wait_for_previous_kernel."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
