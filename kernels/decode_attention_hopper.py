@@ -35,10 +35,10 @@ splits: a greedy longest-first schedule, since the hardware starts programs in o
 
 On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.py): its programs may be
 scheduled and set up (barriers, descriptors) while kv_write, which allows it, still runs; both partitions wait
-for it before their first global read. Before it waits, the producer pulls its program's first tile of pages
-into L2 (_prefetch_first_tiles: hints only, from indices that may be stale), so the first copies after the
-wait come from L2. Once a program's producer has issued its last copy it allows the kernel after us
-(quant_per_token, which waits for our output) to be scheduled.
+for it before any read whose value matters. In the chain (pdl.CHAIN) the producer first pulls its program's
+first tile of pages into L2 (_prefetch_first_tiles: hints only, from indices that may be stale), so the first
+copies after the wait come from L2. Once a program's producer has issued its last copy it allows the kernel
+after us (quant_per_token, which waits for our output) to be scheduled.
 
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
 reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
@@ -51,6 +51,7 @@ A CPU test compiles this kernel for sm_90; GPU tests hold it to FlashAttention's
 
 import functools
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -79,16 +80,17 @@ def _i8_to_f16(x):
 @gluon.jit
 def _wait_for_previous_kernel(PDL: gl.constexpr):
     """Launched with PDL (kernels/pdl.py): block until the kernel before us has completed and its writes are
-    visible (the primitive pdl.wait_for_previous_kernel uses). Both partitions call it before their first
-    global read: the kernel just before us may be kv_write (q, the cache) or, at a step's first layer, the one
-    that wrote the work order (decode_attention._work_order)."""
+    visible (the primitive pdl.wait_for_previous_kernel uses). Both partitions call it before any read whose
+    value matters (only the producer's prefetch hints come before it): the kernel just before us may be kv_write
+    (q, the cache) or, at a step's first layer, the one that wrote the work order (decode_attention._work_order)."""
     if PDL:
         gdc_wait()
 
 
 @gluon.jit
-def _prefetch_l2(ptrs, live):
-    """prefetch.global.L2 of each live pointer's 128-byte line: a hint, so it is correct whatever the line holds."""
+def _prefetch_l2_if(ptrs, live):
+    """prefetch.global.L2 of the 128-byte line of each pointer whose live flag is set (Gluon's twin of
+    pdl.prefetch_l2, with a predicate): a hint, so it is correct whatever the line holds."""
     gl.inline_asm_elementwise(
         "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
         "=r,l,r", [ptrs, live.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
@@ -106,47 +108,52 @@ def _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_p
     wrote them (L2 is where every SM's writes meet)."""
     TILE: gl.constexpr = CONSUMERS * PAGE
     VL: gl.constexpr = D * PAGE // 128  # a V page is D * PAGE contiguous bytes
-    pl: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0])  # the producer's one warp
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0])  # [page, row or line], one warp
     item = gl.program_id(0)
     kvh = item % HKV
     b = gl.load(order_ptr + (item // HKV) % batch, cache_modifier=".cg")
     b = gl.minimum(gl.maximum(b, 0), batch - 1).to(gl.int64)
     seq_len = gl.load(seq_lens_ptr + b, cache_modifier=".cg").to(gl.int32)
     seq_len = gl.minimum(gl.maximum(seq_len, 0), bt_width * PAGE)
-    per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
-    start = (item // (HKV * batch)) * per_split
-    end = gl.minimum(start + per_split, seq_len)
-    pages = gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, pl))
-    rows = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, pl)), 0)
-    lines = gl.expand_dims(gl.arange(0, VL, layout=gl.SliceLayout(0, pl)), 0)
+    start, end = _split_range(seq_len, item // (HKV * batch), num_splits, TILE)
+    pages = gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, layout))
+    rows = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, layout)), 0)
+    lines = gl.expand_dims(gl.arange(0, VL, layout=gl.SliceLayout(0, layout)), 0)
     for t in gl.static_range(TILES):
-        col = (start + t * TILE) // PAGE + pages
-        live = (col * PAGE < end) & (col < bt_width)
+        col = (start + t * TILE) // PAGE + pages  # < bt_width, since seq_len is clamped
+        live = col * PAGE < end  # pages past the end get nothing, else every empty split would hit page 0's lines
         page = gl.load(block_tables_ptr + b * stride_bt + col, mask=live, other=0, cache_modifier=".cg")
         page = gl.expand_dims(gl.minimum(gl.maximum(page, 0), num_blocks - 1).to(gl.int64), 1)
-        # pages past the end get nothing (else every empty split would hammer page 0's lines); "& (x >= 0)"
-        # broadcasts the pages' flags to the [page, row] and [page, line] shapes
-        live = gl.expand_dims(live, 1)
-        k_live = live & (rows >= 0)
-        _prefetch_l2(k_ptr + (page * PAGE + rows) * (HKV * D) + kvh * D, k_live)
-        _prefetch_l2(v_ptr + (page * HKV + kvh) * (D * PAGE) + lines * 128, live & (lines >= 0))
+        page_live = gl.expand_dims(live, 1)
+        row_live = gl.broadcast(page_live, rows)[0]
+        # a K row (one key of this head) is D bytes: its first and last byte cover its one or two lines
+        k_row = k_ptr + (page * PAGE + rows) * (HKV * D) + kvh * D
+        _prefetch_l2_if(k_row, row_live)
+        _prefetch_l2_if(k_row + (D - 1), row_live)
+        _prefetch_l2_if(v_ptr + (page * HKV + kvh) * (D * PAGE) + lines * 128, gl.broadcast(page_live, lines)[0])
+        # the scales: NG values per key; neighbouring keys share lines, which the memory system merges
         s_off = page * stride_sb + rows * stride_sp + kvh * stride_sh
-        _prefetch_l2(k_scale_ptr + s_off, k_live)
-        _prefetch_l2(v_scale_ptr + s_off, k_live)
+        _prefetch_l2_if(k_scale_ptr + s_off, row_live)
+        _prefetch_l2_if(v_scale_ptr + s_off, row_live)
+
+
+@gluon.jit
+def _split_range(seq_len, split, num_splits, TILE: gl.constexpr):
+    """[start, end) of a split's keys: the Triton kernel's split rule, splits rounded to whole tiles."""
+    per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
+    start = split * per_split
+    return start, gl.minimum(start + per_split, seq_len)
 
 
 @gluon.jit
 def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr):
     """Work item -> (kv head, sequence, split, first key, end key): kv head fastest, sequences longest first
-    (order_ptr: the batch's indices by descending length), with the Triton kernel's split rule, splits rounded
-    to whole tiles."""
+    (order_ptr: the batch's indices by descending length), split by _split_range."""
     kvh = item % HKV
     b = gl.load(order_ptr + (item // HKV) % batch).to(gl.int64)
     split = item // (HKV * batch)
     seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-    per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
-    start = split * per_split
-    end = gl.minimum(start + per_split, seq_len)
+    start, end = _split_range(seq_len, split, num_splits, TILE)
     return kvh, b, split, start, end
 
 
@@ -166,7 +173,7 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
     groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     page_of_key = keys_3d // PAGE  # which of the tile's pages a scale thread copies from
-    if PDL and PREFETCH_TILES > 0:
+    if PDL and TRIGGER and PREFETCH_TILES > 0:  # in the chain only (EIGHTBIT_PDL_CHAIN=0: the old launches)
         _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
                               batch, num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
                               HKV, PAGE, D, PREFETCH_TILES)
@@ -465,10 +472,11 @@ KW = 4  # operand elements per thread along k: four int8 values are one 32-bit s
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
 
 
-def ws_ok(q, k_cache, v_cache, k_scale, group):
+def ws_ok(q, k_cache, v_cache, k_scale, block_tables, group):
     """For compiled CUDA tensors over an int8 cache that decode_attention has checked: sm_90, pages of 16 keys
     (the engine's; V's TMA rows are one page of bytes, at least 16; other sizes are untested on a GPU),
-    contiguous caches and scales with 16-byte aligned bases, and NG * QPK_PAD == 16 (one mma row block)."""
+    contiguous caches and scales with 16-byte aligned bases, int32 block tables (TMA coordinates are 32-bit),
+    and NG * QPK_PAD == 16 (one mma row block)."""
     if not is_sm90(q.device):
         return False
     _, page, hkv, d = k_cache.shape
@@ -477,6 +485,7 @@ def ws_ok(q, k_cache, v_cache, k_scale, group):
     rows = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng)) * ng
     aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, k_scale))
     return (page == 16 and d <= 256 and (d * page) % 128 == 0 and ng in (2, 4, 8) and rows == 16 and aligned
+            and block_tables.dtype == torch.int32
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous())
 
 

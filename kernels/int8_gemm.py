@@ -45,11 +45,12 @@ and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "do
 On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py) at
 M <= 128, and any kernel where its table entry says so (GemmConfig.pdl): their programs may be scheduled as soon
 as the kernel before them allows it (the norm, SiLU and quantization kernels do as they start) and wait in
-`griddepcontrol.wait` before touching memory (see PDL_MAX_M for the measurements). In turn they allow the
+`griddepcontrol.wait` before any load or store (see PDL_MAX_M for the measurements). In turn they allow the
 kernel after them (a norm, SiLU, quantization or kv_write kernel, which waits for the GEMM's output) to be
-scheduled once their K loop is done. Before they wait, each program prefetches the first PREFETCH_LINES
-128-byte lines of its weight rows into L2 (the weights are not what the kernel before writes, and a prefetch
-is only a hint anyway), so the first loads after the wait do not pay DRAM latency.
+scheduled once their K loop is done. In that chain, before they wait, each program prefetches the first
+PREFETCH_LINES 128-byte lines of each of its weight rows, from the start of its K range, into L2 (the weights are
+not what the kernel before writes, and a prefetch is only a hint anyway), so the first loads after the wait do
+not pay DRAM latency.
 
 Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
@@ -146,10 +147,12 @@ def _int8_gemm_kernel(
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
 
-    if PREFETCH > 0:
+    if PDL and PREFETCH > 0:
+        tl.static_assert(PREFETCH & (PREFETCH - 1) == 0, "PREFETCH (lines) must be a power of two")
         pf_k = tl.minimum(t_start * BLOCK_K + tl.arange(0, PREFETCH) * 128, K - 1)
         prefetch_l2(b_ptr + rn[:, None] * stride_bn + pf_k[None, :] * stride_bk)
-    # launched with PDL (sm_90, small M): nothing is read or written before the kernel before us has completed
+    # launched with PDL (sm_90, small M): no load or store before the kernel before us has completed (the
+    # prefetch above is only a hint)
     wait_for_previous_kernel(PDL)
 
     a_ptrs = a_ptr + rm[:, None] * stride_am + (t_start * BLOCK_K + offs_k)[None, :] * stride_ak
@@ -277,7 +280,8 @@ def _int8_gemv_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
-    if PREFETCH > 0:  # 32 words a line
+    if PDL and PREFETCH > 0:  # 32 words a line
+        tl.static_assert(PREFETCH & (PREFETCH - 1) == 0, "PREFETCH (lines) must be a power of two")
         pf_k = tl.minimum(t_start * BLOCK_KW + tl.arange(0, PREFETCH) * 32, KW - 1)
         prefetch_l2(b_ptr + rn[:, None] * stride_bn + pf_k[None, :])
     wait_for_previous_kernel(PDL)  # as in _int8_gemm_kernel
@@ -439,7 +443,7 @@ def _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
         stride_am=x_q.stride(0) // 4, stride_bn=w_q.stride(0) // 4, stride_cm=out.stride(0), stride_cn=out.stride(1),
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw, SPLIT_K=split_k, EVEN_K=(kw % bkw == 0),
-        USE_ASM=x_q.device.type == "cuda", PREFETCH=_prefetch(pdl_args), **pdl_args,
+        USE_ASM=x_q.device.type == "cuda", PREFETCH=_prefetch_lines(pdl_args), **pdl_args,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_options)
     return out
 
@@ -474,7 +478,8 @@ def _pdl(device, m, cfg):
     return _CHAIN_LAUNCH if chain else _PDL_LAUNCH
 
 
-# 128-byte lines of each weight row a PDL-launched Triton GEMM pulls into L2 before its wait (0: none). H100, same
+# 128-byte lines of each weight row (from the start of the program's K range) a Triton GEMM launched in the PDL
+# chain pulls into L2 before its wait (0: none; a power of two). H100, same
 # process (docs/benchmarks/gemm.md, nineteenth session), 0 -> 4 lines: quant_per_token + GEMM faster in 29 of 32
 # cells at M = 1-64, by up to 2.3 us (8B qkv at M = 16 12.96 -> 12.18 us), the other three within 0.2 us; the
 # linear part of a decode layer 1-7 % faster at M = 1-128; GEMM after GEMM mixed (1B gate_up at M = 8 13.5 -> 14.1
@@ -482,8 +487,9 @@ def _pdl(device, m, cfg):
 PREFETCH_LINES = 4
 
 
-def _prefetch(pdl_args):
-    return PREFETCH_LINES if pdl_args["PDL"] else 0
+def _prefetch_lines(pdl_args):
+    """In the chain only: EIGHTBIT_PDL_CHAIN=0 gives the twelfth session's launches, without the prefetch."""
+    return PREFETCH_LINES if pdl_args["LATE_TRIGGER"] else 0
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):
@@ -554,7 +560,7 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         stride_cm=strides[4], stride_cn=strides[5],
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0), PREFETCH=_prefetch(pdl_args), **pdl_args,
+        SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0), PREFETCH=_prefetch_lines(pdl_args), **pdl_args,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_options)
     return out
 

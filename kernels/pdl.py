@@ -5,8 +5,8 @@ stream has exited and its writes are flushed, and then they still have to start 
 (launched with `launch_pdl=True`) they are scheduled as soon as every program of the previous kernel
 has executed `griddepcontrol.launch_dependents` (`allow_dependents`) or exited, and wait on the SM,
 already set up, in `griddepcontrol.wait` (`wait_for_previous_kernel`): it returns once the previous kernel has
-completed and its writes are visible. A kernel launched this way must wait before it reads anything
-an earlier kernel wrote and before it writes anything.
+completed and its writes are visible. A kernel launched this way must wait before it writes anything and
+before any read whose value matters, of anything an earlier kernel may have written.
 
 Used here where a weight-bound linear layer starts: the Triton int8 GEMMs are launched with PDL at small
 M (int8_gemm._pdl says which shapes) and wait before their first load, and the kernels that produce
@@ -17,10 +17,11 @@ dependents early (a GEMM right after a GEMM got up to 17 % slower at M = 8-16), 
 bulk-prefetching weight rows into L2 before the wait (faster for some shapes, slower for others).
 
 And where the int8 decode attention starts: kv_write allows dependents as it starts, and the Gluon decode
-kernel (decode_attention_hopper.py) is launched with PDL and waits before its first global read. kv_write +
-decode per layer, H100: 0.6-1.0 us faster, bit-identical (docs/benchmarks/attention.md, fifteenth session; 0.6-2.1
-us while the kernel still read its work order before waiting, but at a step's first layer the order's own kernel
-runs just before, so it waits first).
+kernel (decode_attention_hopper.py) is launched with PDL and waits before any read whose value matters. kv_write
++ decode per layer, H100: 0.6-1.0 us faster, bit-identical (docs/benchmarks/attention.md, fifteenth session; 0.6-2.1
+us while the kernel still used its work order before waiting, but at a step's first layer the order's own kernel
+runs just before, so it waits first; since the nineteenth session it reads the order before the wait only as a
+hint for its L2 prefetch, below).
 
 The chain: a decode layer is rmsnorm_quant, qkv GEMM, kv_write, decode attention, quant_per_token, o GEMM,
 rmsnorm_quant, gate_up GEMM, silu_mul_quant, down GEMM, all ours. So the other half of each hand-over is covered
@@ -35,11 +36,14 @@ GEMM gets PDL where its table entry is marked so (gemm_configs.GemmConfig.pdl, m
 EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelfth session's launches: the
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
 
-What a kernel does before its wait: nothing that reads what the previous kernel may still be writing, and
-nothing that writes. An L2 prefetch (`prefetch_l2`) is a hint whatever the line holds, so with the chain the
-PDL-launched Triton GEMMs pull the first 512 bytes of each of their weight rows into L2 before waiting
-(int8_gemm.PREFETCH_LINES), and the Gluon decode kernel its first tile of pages (decode_attention_hopper.
-PREFETCH_TILES). Their first loads after the wait then come from L2 instead of DRAM. Measured on an H100
+What a kernel may do before its wait: no writes, and reads of what the previous kernel may still be writing
+only as hints, whose value may be stale without harm. An L2 prefetch (`prefetch_l2`) is such a hint, correct
+whatever the line holds. So in the chain the PDL-launched Triton GEMMs pull the first lines of each of their
+weight rows into L2 before waiting (int8_gemm.PREFETCH_LINES), and the Gluon decode kernel its first tile of
+pages (decode_attention_hopper.PREFETCH_TILES), computing their addresses from indices (the work order, a
+sequence's length, block-table entries) that it loads around L1 (`.cg`, so that no stale line stays there for
+the loads after the wait) and clamps into their tensors. Their first loads after the wait then come from L2
+instead of DRAM. Measured on an H100
 (docs/benchmarks/gemm.md, attention.md and engine.md, nineteenth session), same process: the linear part of a
 decode layer 1-7 % faster at M = 1-128, kv_write + decode + quant_per_token 0.5-1.4 us faster a layer at batch
 1-64; the engine's decode 2.5 % more tokens/s at batch 16, 3.7 % at 64, 0.5 % at batch 1; bit-identical.

@@ -145,28 +145,35 @@ WS_SCRIPT = textwrap.dedent(
         t = torch.zeros(*shape, dtype=torch.int8)
         return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.int8)))
 
-    def _prefetch_start(ptx):
+    def _producer_ops_until_first_mbarrier_wait(ptx):
         # the prefetching partition's instructions from its start (after the register hand-over) up to its
         # first mbarrier wait, in order: global loads (.cg or not), prefetches, and the PDL wait
         first_prefetch = ptx.find("prefetch.global.L2")
+        if first_prefetch < 0:
+            return []
         start = ptx.rfind("setmaxnreg", 0, first_prefetch)
         part = ptx[start:ptx.find("mbarrier.try_wait", first_prefetch)]
         return re.findall(r"ld\.global\.cg|ld\.global|prefetch\.global\.L2|griddepcontrol\.wait", part)
 
     fn = H._decode_ws_kernel
     results = []
-    for split, merge in ((False, False), (True, False), (True, True)):
+    # (split, merge, head_dim, query heads per kv head, the PDL chain)
+    cases = [(False, False, 128, 4, True), (True, False, 128, 4, True), (True, True, 128, 4, True),
+             (True, True, 64, 4, True), (True, True, 256, 2, True), (True, True, 128, 4, False)]
+    for split, merge, d, qpk, chain in cases:
+        ng = d // 32
         sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                "count_ptr": "*i32",
-               "k_desc": desc([64, 16, 8 * 128], [1, 16, 128]), "v_desc": mangle_type(TensorDescriptor.from_tensor(torch.zeros(64 * 8, 16, 128, dtype=torch.int8),
-                                                                    [1, 16, 128], H.V_LAYOUT)),
+               "k_desc": desc([64, 16, 8 * d], [1, 16, d]),
+               "v_desc": mangle_type(TensorDescriptor.from_tensor(torch.zeros(64 * 8, d // 8, 128, dtype=torch.int8),
+                                                                  [1, d // 8, 128], H.V_LAYOUT)),
                "k_ptr": "*i8", "v_ptr": "*i8",
                "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                "order_ptr": "*i32",
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
-        consts = dict(QPK=4, QPK_PAD=4, HQ=32, HKV=8, NG=4, STAGES=H.STAGES, SPLIT=split, MERGE=merge, KW=H.KW,
-                      PDL=True, TRIGGER=True, PREFETCH_TILES=H.PREFETCH_TILES)
+        consts = dict(QPK=qpk, QPK_PAD=16 // ng, HQ=8 * qpk, HKV=8, NG=ng, STAGES=H.STAGES, SPLIT=split, MERGE=merge,
+                      KW=H.KW, PDL=True, TRIGGER=chain, PREFETCH_TILES=1)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
@@ -174,25 +181,27 @@ WS_SCRIPT = textwrap.dedent(
         k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
         ptx = k.asm["ptx"]
-        results.append(dict(split=split, merge=merge, atomics=ptx.count("atom.global"),
+        results.append(dict(split=split, merge=merge, d=d, chain=chain, atomics=ptx.count("atom.global"),
                             shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
                             mma=ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
-                            tma=ptx.count("cp.async.bulk.tensor.3d"), scale_copies=ptx.count("cp.async.ca.shared.global"),
+                            tma=ptx.count("cp.async.bulk.tensor.3d"),
+                            scale_copies=len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
                             async_arrive=ptx.count("cp.async.mbarrier.arrive.shared.b64"),
                             setmaxnreg=ptx.count("setmaxnreg"), byte_loads=ptx.count("ld.shared.b8") + ptx.count("ld.shared.v2.b8"),
                             pdl_wait=ptx.count("griddepcontrol.wait"),
                             pdl_trigger=ptx.count("griddepcontrol.launch_dependents"),
                             prefetch=ptx.count("prefetch.global.L2"),
-                            prefetch_start=_prefetch_start(ptx)))
+                            prefetch_start=_producer_ops_until_first_mbarrier_wait(ptx)))
     print("RESULTS " + json.dumps(results))
     """
 )
 
 
 def test_decode_ws_kernel_compiles_for_sm90():
-    """The Gluon decode kernel (no CPU interpreter exists for Gluon): float16 tensor-core mma, TMA page copies,
-    8-byte cp.async scale copies that arrive on the ring's barrier, warp specialization, int8 operands read as
-    32-bit words (not bytes), and shared memory for two programs per multiprocessor."""
+    """The Gluon decode kernel (no CPU interpreter exists for Gluon) at head_dim 64 / 128 / 256, with and without the
+    PDL chain: float16 tensor-core mma, TMA page copies, cp.async scale copies that arrive on the ring's barrier,
+    warp specialization, int8 operands read as 32-bit words (not bytes), shared memory for two programs per
+    multiprocessor, and, in the chain, the L2 prefetch before the wait."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", WS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -202,16 +211,20 @@ def test_decode_ws_kernel_compiles_for_sm90():
         assert r["scale_copies"] > 0 and r["async_arrive"] > 0, r
         assert r["byte_loads"] <= 1, r  # one scalar byte load outside the loop is Triton's; the tiles are words
         assert r["pdl_wait"] >= 2, r  # the producer waits before its first copies, the consumers before q
-        assert r["pdl_trigger"] >= 1, r  # the producer lets the next kernel start once its copies are issued
+        # in the chain, the producer lets the next kernel start once its copies are issued
+        assert (r["pdl_trigger"] >= 1) == r["chain"], r
         assert (r["atomics"] > 0) == r["merge"], r  # the merge counters: only where the kernel merges its splits
-        # the consumers' L2 prefetch of the first tiles, before their wait, from indices loaded around L1
+        assert 2 * r["shared"] <= HOPPER_SMEM, r
+        if not r["chain"]:  # EIGHTBIT_PDL_CHAIN=0 restores the old launch: no prefetch
+            assert r["prefetch"] == 0, r
+            continue
+        # the producer's L2 prefetch of its first tile, before its wait, from indices loaded around L1
         # (a stale line there would be read again after the wait)
         start = r["prefetch_start"]
         assert r["prefetch"] > 0 and "griddepcontrol.wait" in start, r
         before_wait = start[:start.index("griddepcontrol.wait")]
         assert "prefetch.global.L2" in before_wait and "prefetch.global.L2" not in start[len(before_wait):], r
         assert set(before_wait) == {"ld.global.cg", "prefetch.global.L2"}, r
-        assert 2 * r["shared"] <= HOPPER_SMEM, r
 
 
 WS_PREFILL_SCRIPT = textwrap.dedent(

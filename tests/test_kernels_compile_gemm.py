@@ -45,18 +45,20 @@ def _assert_pdl(ptx, partitions=1):
     assert "griddepcontrol.launch_dependents" in ptx, "the kernel after it may be scheduled early"
 
 
-def _assert_weight_prefetch(ptx, lines):
+PREFETCH_LINES_COMPILED = 4  # int8_gemm.PREFETCH_LINES's value as measured; any power of two compiles the same way
+
+
+def _assert_weight_prefetch(ptx):
     """With PREFETCH > 0 the Triton GEMMs prefetch weight lines into L2, all before their PDL wait."""
-    if lines:
-        assert "prefetch.global.L2" in ptx, "the weight rows' L2 prefetch is missing"
-        assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), "prefetch after the wait"
+    assert "prefetch.global.L2" in ptx, "the weight rows' L2 prefetch is missing"
+    assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), "prefetch after the wait"
 
 
 def _compile_gemm(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from eightbit.kernels.int8_gemm import PREFETCH_LINES, _int8_gemm_kernel, _int8_gemv_kernel
+    from eightbit.kernels.int8_gemm import _int8_gemm_kernel, _int8_gemv_kernel
 
     cfg, even_k = job
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
@@ -69,7 +71,7 @@ def _compile_gemm(job):
         }
         consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True,
-                  "PDL": True, "LATE_TRIGGER": True, "PREFETCH": PREFETCH_LINES}
+                  "PDL": True, "LATE_TRIGGER": True, "PREFETCH": PREFETCH_LINES_COMPILED}
         for name in consts:
             sig[name] = "constexpr"
         div16 = ["a_ptr", "xs_ptr", "b_ptr", "ws_ptr", "bias_ptr", "c_ptr", "acc_ptr", "lock_ptr",
@@ -78,7 +80,7 @@ def _compile_gemm(job):
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         _assert_pdl(k.asm["ptx"])
-        _assert_weight_prefetch(k.asm["ptx"], PREFETCH_LINES)
+        _assert_weight_prefetch(k.asm["ptx"])
         return cfg.key(), even_k, k.metadata.shared, None
     if cfg.kernel == "ws":
         return _compile_ws(cfg)
@@ -93,7 +95,8 @@ def _compile_gemm(job):
     consts = {
         "stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_BIAS": True,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
-        "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True, "LATE_TRIGGER": True, "PREFETCH": PREFETCH_LINES,
+        "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True, "LATE_TRIGGER": True,
+        "PREFETCH": PREFETCH_LINES_COMPILED,
     }
     for name in consts:
         sig[name] = "constexpr"
@@ -103,7 +106,7 @@ def _compile_gemm(job):
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     _assert_pdl(k.asm["ptx"])
-    _assert_weight_prefetch(k.asm["ptx"], PREFETCH_LINES)
+    _assert_weight_prefetch(k.asm["ptx"])
     return cfg.key(), even_k, k.metadata.shared, k.n_regs if hasattr(k, "n_regs") else None
 
 

@@ -219,7 +219,8 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     """Which GEMM launches use PDL (kernels/pdl.py) where it is available: the Triton kernels up to PDL_MAX_M rows,
     the Gluon kernel never, unless the config (a table entry's mark) says otherwise. Without the chain the marks
     are ignored (they were measured with it) and the Triton kernels wait but do not let the next kernel start
-    early. A config's pdl flag is how it launches, not which kernel it is: equality and key() ignore it."""
+    early. Only in the chain do the Triton kernels prefetch weight lines before their wait. A config's pdl flag is
+    how it launches, not which kernel it is: equality and key() ignore it."""
     import dataclasses
 
     from eightbit.kernels import int8_gemm as mod
@@ -235,6 +236,8 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     assert mod._pdl(dev, 4096, dataclasses.replace(ws, pdl=True)) == mod._CHAIN_LAUNCH
     assert mod._pdl(dev, 256, dataclasses.replace(dot, pdl=True)) == mod._CHAIN_LAUNCH
     assert mod._pdl(dev, 8, dataclasses.replace(dot, pdl=False)) == mod._PLAIN_LAUNCH
+    assert mod._prefetch_lines(mod._pdl(dev, 8, dot)[0]) == mod.PREFETCH_LINES > 0
+    assert mod._prefetch_lines(mod._PLAIN_LAUNCH[0]) == 0
     from eightbit.kernels import int8_gemm_hopper as H  # the Gluon launch gets the same decision
 
     seen = []
@@ -245,6 +248,7 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     assert seen == [False, True]
     monkeypatch.setattr(mod, "chain_enabled", lambda device: False)
     assert mod._pdl(dev, 8, dot) == mod._PDL_LAUNCH  # waits, but lets no kernel after it start early
+    assert mod._prefetch_lines(mod._pdl(dev, 8, dot)[0]) == 0  # and prefetches nothing: the old launch
     assert mod._pdl(dev, 8, dataclasses.replace(dot, pdl=False)) == mod._PDL_LAUNCH
     assert mod._pdl(dev, 256, dataclasses.replace(dot, pdl=True)) == mod._PLAIN_LAUNCH
     assert mod._pdl(dev, 256, dataclasses.replace(ws, pdl=True)) == mod._PLAIN_LAUNCH
