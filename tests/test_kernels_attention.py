@@ -801,7 +801,7 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
     sc = Scenario(seqs, hq, hkv, d, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
     q = torch.randn(len(seqs), hq, d, device="cuda", dtype=torch.bfloat16)
     args = (*sc.caches, sc.block_tables, sc.seq_lens, d ** -0.5)
-    assert H.ws_ok(q, sc.caches[0], sc.caches[1], sc.caches[2], 32)
+    assert H.ws_ok(q, sc.caches[0], sc.caches[1], sc.caches[2], sc.block_tables, 32)
     monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
     ws = decode_attention_splits(q, *args, splits)
     _check_fa_rule(ws, q, sc, d ** -0.5)
@@ -809,6 +809,11 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
     triton_out = decode_attention_splits(q, *args, splits)
     torch.testing.assert_close(ws.float(), triton_out.float(), rtol=0.02, atol=0.01)
     monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
+    if splits is None and not small_grid:  # int64 block tables: the Triton kernel (the TMA coordinates are 32-bit)
+        wide = sc.block_tables.long()
+        assert not H.ws_ok(q, sc.caches[0], sc.caches[1], sc.caches[2], wide, 32)
+        torch.testing.assert_close(decode_attention_splits(q, *sc.caches, wide, sc.seq_lens, d ** -0.5, None),
+                                   triton_out, rtol=0, atol=0)
     monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", False)  # work items in batch order: the same bits
     torch.testing.assert_close(decode_attention_splits(q, *args, splits), ws, rtol=0, atol=0)
     monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", True)
