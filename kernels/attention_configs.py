@@ -94,12 +94,14 @@ DECODE_WS_PROGRAMS_PER_SM = 2
 # 4-9 points more of the copy bandwidth at batch 16-256 (H100, attention.md, eleventh session).
 DECODE_LONGEST_FIRST = True
 # With 2 to DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits, the Gluon kernel merges them itself: the last split of a
-# (sequence, kv head) to finish (a counter per pair, as int8_gemm's split-K) merges the group's partials into the
-# output, instead of the merge kernel running after it. Same process, H100 (attention.md, sixteenth session): 1.0-1.7
-# us faster a call at batch 2-16 (16 to 2 splits), e.g. 16 x 2k 70 -> 72 % of the copy bandwidth, 8 x 2k 57 -> 59-60 %;
-# at batch 1 (33 splits, five steps of MERGE_CHUNK in one program per kv head) 0.1-0.4 us slower, so more splits
-# than 16 keep the merge kernel. 0: always the merge kernel.
-DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS = 16
+# (sequence, kv head) to finish (a counter per pair, as int8_gemm's split-K) merges the group's partials with keys
+# into the output, instead of the merge kernel running after it. Same process, H100 (attention.md, sixteenth
+# session): 1.0-1.7 us faster a call at batch 2-16 (16 to 2 splits), e.g. 16 x 2k 70 -> 72 % of the copy bandwidth,
+# 8 x 2k 57 -> 59-60 %. At batch 1 (33 splits) it was 0.1-0.4 us slower then, so 33 splits kept the merge kernel.
+# Since the merge skips the empty splits, and the merge kernel (launched plainly) breaks the PDL chain, batch 1 is
+# faster merged in the kernel too (nineteenth session): behind kv_write 0.9-1.2 us at 640-8k keys, equal at 32k;
+# back to back 1.9-2.2 us, 1 x 32k 34.2 -> 32.1 us. So every split count merges in the kernel. 0: the merge kernel.
+DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS = DECODE_MAX_SPLITS
 
 # The merge kernel after a split decode takes REDUCE_CHUNK splits per step at most, and a call the smallest chunk of
 # REDUCE_CHUNKS that holds its split count, with that chunk's launch options (the count itself is a run-time

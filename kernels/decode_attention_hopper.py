@@ -24,11 +24,12 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
   scales, V converted the same way;
 * at the end of an item the warps' (max, sum, output) are merged and the output written, or the split's
   normalized partial and log-sum-exp. With several splits the kernel merges them itself: each split's program
-  counts its arrival on a counter per (sequence, kv head), and the last to arrive reads every split's partial
-  back from L2 and writes the output (the split-K scheme of int8_gemm), up to
-  attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits.
-  That saves the merge kernel's launch and its own load round trip: 1.0-1.7 us a call at batch 2-16 (H100,
-  attention.md, sixteenth session).
+  counts its arrival on a counter per (sequence, kv head), and the last to arrive reads the partials back
+  from L2 and writes the output (the split-K scheme of int8_gemm), up to
+  attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits (all of them). The split count comes from the
+  longest possible context, so at short contexts most splits are empty: they store nothing, only count, and
+  the merge reads just the splits with keys. That saves the merge kernel's launch and its own load round trip:
+  1.0-1.7 us a call at batch 2-16 (H100, attention.md, sixteenth session), 0.9-2.2 us at batch 1 (nineteenth).
 
 Work items are taken kv head fastest, then sequences longest first (decode_attention._work_order), then
 splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up.
@@ -115,7 +116,7 @@ def _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_p
     b = gl.minimum(gl.maximum(b, 0), batch - 1).to(gl.int64)
     seq_len = gl.load(seq_lens_ptr + b, cache_modifier=".cg").to(gl.int32)
     seq_len = gl.minimum(gl.maximum(seq_len, 0), bt_width * PAGE)
-    start, end = _split_range(seq_len, item // (HKV * batch), num_splits, TILE)
+    start, end, _ = _split_range(seq_len, item // (HKV * batch), num_splits, TILE)
     pages = gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, layout))
     rows = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, layout)), 0)
     lines = gl.expand_dims(gl.arange(0, VL, layout=gl.SliceLayout(0, layout)), 0)
@@ -139,22 +140,24 @@ def _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_p
 
 @gluon.jit
 def _split_range(seq_len, split, num_splits, TILE: gl.constexpr):
-    """[start, end) of a split's keys: the Triton kernel's split rule, splits rounded to whole tiles."""
+    """[start, end) of a split's keys (the Triton kernel's split rule, splits rounded to whole tiles), and how
+    many of the sequence's splits have keys: the split count comes from the longest possible context, so at
+    short contexts most splits are empty."""
     per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
     start = split * per_split
-    return start, gl.minimum(start + per_split, seq_len)
+    return start, gl.minimum(start + per_split, seq_len), gl.cdiv(seq_len, gl.maximum(per_split, 1))
 
 
 @gluon.jit
 def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr):
-    """Work item -> (kv head, sequence, split, first key, end key): kv head fastest, sequences longest first
-    (order_ptr: the batch's indices by descending length), split by _split_range."""
+    """Work item -> (kv head, sequence, split, first key, end key, splits with keys): kv head fastest, sequences
+    longest first (order_ptr: the batch's indices by descending length), split by _split_range."""
     kvh = item % HKV
     b = gl.load(order_ptr + (item // HKV) % batch).to(gl.int64)
     split = item // (HKV * batch)
     seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-    start, end = _split_range(seq_len, split, num_splits, TILE)
-    return kvh, b, split, start, end
+    start, end, live_splits = _split_range(seq_len, split, num_splits, TILE)
+    return kvh, b, split, start, end, live_splits
 
 
 @gluon.jit
@@ -180,7 +183,7 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
     _wait_for_previous_kernel(PDL)
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
-        kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
+        kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
         bt_row = block_tables_ptr + b * stride_bt
         # the tile's page numbers are loaded one tile ahead: their latency (a global load) stays off the
         # path from a freed slot to its copies
@@ -243,16 +246,18 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     _wait_for_previous_kernel(PDL)
     it = 0
     for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
-        kvh, b, split, start, end = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
+        kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV,
+                                                            TILE)
         it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr,
-                           part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb,
-                           stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW)
+                           part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it, num_splits,
+                           stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE,
+                           KW)
 
 
 @gluon.jit
 def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-                  count_ptr, qk_scale, kvh, b, split, start, end, it, num_splits, stride_qb, stride_qh, stride_ob,
-                  stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                  count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it, num_splits, stride_qb, stride_qh,
+                  stride_ob, stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                   NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr, KW: gl.constexpr):
     """One work item's keys, tiles it, it + 1, ... of the ring; returns the ring position after them."""
     PAGE: gl.constexpr = k_bufs.shape[2]
@@ -324,18 +329,19 @@ def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr
     g4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(g_idx, 0), 1), 3)
     c4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(c_idx // GROUP, 0), 1), 2)
     o = gl.sum(gl.where(g4 == c4, acc4, 0.0), 2)  # [W, QPK_PAD, D]
-    _merge_store(o, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b, split, num_splits, stride_ob,
-                 stride_oh, QPK, QPK_PAD, HQ, HKV, D, SPLIT, MERGE)
+    _merge_store(o, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b, split, num_splits,
+                 live_splits, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, D, SPLIT, MERGE)
     return it
 
 
 @gluon.jit
-def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b, split, num_splits, stride_ob,
-                 stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b, split, num_splits, live_splits,
+                 stride_ob, stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                  D: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr):
     """Merge the warps' softmax states (o [W, QPK_PAD, D] unnormalized, m and l [W, QPK_PAD]) and write the
     output, or the split's normalized partial and log-sum-exp; with MERGE the last split of the (sequence,
-    kv head) to store its partial then merges them all into the output (_merge_splits), else the merge kernel does."""
+    kv head) to arrive merges the live_splits splits that have keys into the output (_merge_splits; the empty
+    ones store nothing and only count their arrival), else the merge kernel merges them all."""
     ol: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])
     o = gl.convert_layout(o, ol)
     m = gl.convert_layout(m, gl.SliceLayout(2, ol))
@@ -359,9 +365,11 @@ def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b
                  res.to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
         row_base = (b * HQ + heads) * num_splits + split
-        gl.store(part_out_ptr + gl.expand_dims(row_base * D, 1) + gl.expand_dims(cols, 0), res, mask=row_ok)
+        has_keys = (split < live_splits) | (not MERGE)  # the merge kernel reads every split's log-sum-exp
+        gl.store(part_out_ptr + gl.expand_dims(row_base * D, 1) + gl.expand_dims(cols, 0), res,
+                 mask=row_ok & has_keys)
         lse = gl.where(nonempty, gl.convert_layout(m_all, row_l) + gl.log2(l_safe), float("-inf"))
-        gl.store(part_lse_ptr + row_base, lse, mask=rows < QPK)
+        gl.store(part_lse_ptr + row_base, lse, mask=(rows < QPK) & has_keys)
         if MERGE:
             # the split-K counter scheme of int8_gemm: every warp's partial is stored before the counter moves
             # (barrier, then a release); the last to arrive acquires them all, merges, and resets the counter
@@ -369,17 +377,18 @@ def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b
             counter = count_ptr + b * HKV + kvh
             arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, stride_ob, stride_oh,
-                              QPK, QPK_PAD, HQ, D)
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, live_splits, stride_ob,
+                              stride_oh, QPK, QPK_PAD, HQ, D)
                 gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, stride_ob, stride_oh, QPK: gl.constexpr,
-                  QPK_PAD: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr):
-    """out for the QPK query heads of (sequence b, kv head kvh) from every split's partial (normalized output and
-    log2-sum-exp, read from L2), MERGE_CHUNK splits at a time with a running max: the merge kernel's math
-    (decode_attention._decode_reduce_kernel) for one group of heads."""
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, live_splits, stride_ob, stride_oh,
+                  QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr):
+    """out for the QPK query heads of (sequence b, kv head kvh) from the partials (normalized output and
+    log2-sum-exp, read from L2) of its first live_splits splits, the ones with keys (none: zeros), MERGE_CHUNK
+    splits at a time with a running max: the merge kernel's math (decode_attention._decode_reduce_kernel) for
+    one group of heads."""
     CH: gl.constexpr = MERGE_CHUNK
     l3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])  # [split, head, D]
     sl2: gl.constexpr = gl.SliceLayout(2, l3)  # [split, head]
@@ -393,10 +402,10 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, strid
     m = gl.full([QPK_PAD], float("-inf"), gl.float32, hl)
     wsum = gl.zeros([QPK_PAD], gl.float32, hl)
     acc = gl.zeros([QPK_PAD, D], gl.float32, al)
-    for s0 in range(0, num_splits, CH):
+    for s0 in range(0, live_splits, CH):
         s = s0 + gl.arange(0, CH, layout=gl.SliceLayout(1, sl2))
         idx = gl.expand_dims(s, 1) + gl.expand_dims(head_base, 0)  # [split, head]
-        live = gl.expand_dims(s < num_splits, 1) & gl.expand_dims(row_ok, 0)
+        live = gl.expand_dims(s < live_splits, 1) & gl.expand_dims(row_ok, 0)
         # .cg: from L2, where the other programs' partials are (this SM's L1 is not coherent with them)
         lse = gl.load(part_lse_ptr + idx, mask=live, other=float("-inf"), cache_modifier=".cg")
         o = gl.load(part_out_ptr + gl.expand_dims(idx * D, 2) + cols3, mask=gl.expand_dims(live, 2), other=0.0,
