@@ -100,8 +100,10 @@ DECODE_LONGEST_FIRST = True
 # 8 x 2k 57 -> 59-60 %. At batch 1 (33 splits) it was 0.1-0.4 us slower then, so 33 splits kept the merge kernel.
 # Since the merge skips the empty splits, and the merge kernel (launched plainly) breaks the PDL chain, batch 1 is
 # faster merged in the kernel too (nineteenth session): behind kv_write 0.9-1.2 us at 640-8k keys, equal at 32k;
-# back to back 1.9-2.2 us, 1 x 32k 34.2 -> 32.1 us. So every split count merges in the kernel. 0: the merge kernel.
-DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS = DECODE_MAX_SPLITS
+# back to back 1.9-2.2 us, 1 x 32k 34.2 -> 32.1 us. So up to 64 splits merge in the kernel. More (only with one or
+# two kv heads, up to DECODE_MAX_SPLITS) keep the merge kernel, whose programs merge each query head in parallel
+# where one of ours merges the splits in steps of MERGE_CHUNK (not measured). 0: always the merge kernel.
+DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS = 64
 
 # The merge kernel after a split decode takes REDUCE_CHUNK splits per step at most, and a call the smallest chunk of
 # REDUCE_CHUNKS that holds its split count, with that chunk's launch options (the count itself is a run-time

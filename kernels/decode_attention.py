@@ -21,7 +21,8 @@ Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 
 (attention_configs.REDUCE_CHUNKS: 4, 16 or 128 splits per step, the smallest that holds the count, on 1, 1 or 4
 warps, with a running max: the count itself is not compiled in).
 An empty split (seq_len shorter than its start) writes lse = -inf and contributes nothing.
-(The Gluon kernel of decode_attention_hopper.py runs the same merge inside itself, in its last split to finish.)
+(The Gluon kernel of decode_attention_hopper.py runs the same merge inside itself, in its last split to finish;
+there an empty split writes nothing, and the merge reads only the splits with keys.)
 
 num_splits (a run-time argument, so no recompile per value) comes from the shapes (batch x kv heads vs. the
 multiprocessor count, and block_tables.shape[1] * page size) and the kernel that runs (this one, or from

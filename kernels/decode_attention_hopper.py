@@ -1,7 +1,8 @@
 """The Hopper (sm_90) kernel of decode_attention over an int8 cache: warp-specialized, written in Gluon.
 
-Same contract and the same key range per split as the Triton kernel in decode_attention.py (the partials go
-to the same merge kernel), a different structure. The work items are the Triton kernel's programs — (kv head,
+Same contract and the same key range per split as the Triton kernel in decode_attention.py (with more
+splits than attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS the partials go to the same merge kernel), a
+different structure. The work items are the Triton kernel's programs — (kv head,
 sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks them, each program every grid-th item:
 
 * a producer warp walks the items' keys in tiles of CONSUMERS pages and fills a ring of STAGES
@@ -26,7 +27,7 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
   normalized partial and log-sum-exp. With several splits the kernel merges them itself: each split's program
   counts its arrival on a counter per (sequence, kv head), and the last to arrive reads the partials back
   from L2 and writes the output (the split-K scheme of int8_gemm), up to
-  attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits (all of them). The split count comes from the
+  attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits (64). The split count comes from the
   longest possible context, so at short contexts most splits are empty: they store nothing, only count, and
   the merge reads just the splits with keys. That saves the merge kernel's launch and its own load round trip:
   1.0-1.7 us a call at batch 2-16 (H100, attention.md, sixteenth session), 0.9-2.2 us at batch 1 (nineteenth).
@@ -365,11 +366,14 @@ def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b
                  res.to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
         row_base = (b * HQ + heads) * num_splits + split
-        has_keys = (split < live_splits) | (not MERGE)  # the merge kernel reads every split's log-sum-exp
-        gl.store(part_out_ptr + gl.expand_dims(row_base * D, 1) + gl.expand_dims(cols, 0), res,
-                 mask=row_ok & has_keys)
+        out_mask = row_ok
+        lse_mask = rows < QPK
+        if MERGE:  # a split without keys stores nothing: our merge skips it (the merge kernel reads every split)
+            out_mask = out_mask & (split < live_splits)
+            lse_mask = lse_mask & (split < live_splits)
+        gl.store(part_out_ptr + gl.expand_dims(row_base * D, 1) + gl.expand_dims(cols, 0), res, mask=out_mask)
         lse = gl.where(nonempty, gl.convert_layout(m_all, row_l) + gl.log2(l_safe), float("-inf"))
-        gl.store(part_lse_ptr + row_base, lse, mask=(rows < QPK) & has_keys)
+        gl.store(part_lse_ptr + row_base, lse, mask=lse_mask)
         if MERGE:
             # the split-K counter scheme of int8_gemm: every warp's partial is stored before the counter moves
             # (barrier, then a release); the last to arrive acquires them all, merges, and resets the counter

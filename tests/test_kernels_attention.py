@@ -420,17 +420,19 @@ def test_decode_first_split_call_launches_every_merge_chunk(monkeypatch):
 
 
 @cpu_only
-@pytest.mark.parametrize("max_splits", [16, 2, 0])
+@pytest.mark.parametrize("max_splits", [None, 16, 2, 0])
 def test_decode_ws_dispatch_merges_in_the_kernel(monkeypatch, max_splits):
     """Host side of the Gluon kernel's merge (the kernel runs on sm_90 only; test_gpu_decode_ws_kernel runs it): with
     2 to DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS splits the launch gets the zeroed per-device counters, one per
     (sequence, kv head) at least, and no merge kernel runs; with more splits, or one, no counters and the merge
-    kernel merges (one split: nothing to merge)."""
+    kernel merges (one split: nothing to merge). None: the default limit, with batch 1's 33 splits."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import decode_attention_hopper as H
 
-    monkeypatch.setattr(C, "DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS", max_splits)
-    in_kernel = max_splits >= 3
+    if max_splits is not None:
+        monkeypatch.setattr(C, "DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS", max_splits)
+    n = 3 if max_splits is not None else 33
+    in_kernel = n <= C.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS
     monkeypatch.setattr(dmod, "_ws_ok", lambda *a: True)
     monkeypatch.setattr(dmod, "_counters", {})
     launches, merges = [], []
@@ -438,7 +440,7 @@ def test_decode_ws_dispatch_merges_in_the_kernel(monkeypatch, max_splits):
     monkeypatch.setattr(dmod, "_reduce", lambda po, pl, out, splits: merges.append(splits) or out)
     sc = Scenario([(40, 1), (3, 1), (90, 1)], 8, 2, 64, torch.int8, 32, seed=5)
     q = torch.randn(3, 8, 64, dtype=torch.float16)
-    for splits in (3, 1):
+    for splits in (n, 1):
         decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125, splits)
     fused, single = launches[0][-1], launches[1][-1]
     assert single is None
@@ -446,7 +448,7 @@ def test_decode_ws_dispatch_merges_in_the_kernel(monkeypatch, max_splits):
         assert merges == [1] and fused is dmod._counters[("cpu", None)]
         assert fused.dtype == torch.int32 and fused.numel() >= 3 * 2 and int(fused.count_nonzero()) == 0
     else:
-        assert merges == [3, 1] and fused is None
+        assert merges == [n, 1] and fused is None
 
 
 def test_decode_work_order_longest_first_and_memo(monkeypatch):
@@ -788,8 +790,9 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
     """The warp-specialized Gluon kernel (forced on at any batch): FlashAttention's rule against float64,
     a padded slot (seq_len 0) gives zeros, and its output is within a float16 rounding of the Triton kernel's.
     small_grid: a grid of 16 programs, so each walks several work items through one ring. merge_in_kernel: the
-    splits merged by their last program (19 splits: three steps of MERGE_CHUNK) or by the merge kernel; merged in
-    the kernel, the counters are all zero again after every call."""
+    splits merged by their last program or by the merge kernel; merged in the kernel, the counters are all zero
+    again after every call. With 19 splits the 4,864-key sequence has keys in all of them (three steps of
+    MERGE_CHUNK) and the short ones in one or two (the rest store nothing and are not merged)."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import decode_attention_hopper as H
 
@@ -797,7 +800,7 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
         monkeypatch.setattr(H, "sm_count", lambda device: 16 // H.PROGRAMS_PER_SM)
     monkeypatch.setattr(C, "DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS", 128 if merge_in_kernel else 0)
 
-    seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1)]
+    seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1), (4864, 1)]
     sc = Scenario(seqs, hq, hkv, d, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
     q = torch.randn(len(seqs), hq, d, device="cuda", dtype=torch.bfloat16)
     args = (*sc.caches, sc.block_tables, sc.seq_lens, d ** -0.5)
@@ -824,6 +827,36 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
     if merge_in_kernel and (splits or 2) > 1:
         torch.cuda.synchronize()
         assert dmod._counters and all(int(c.count_nonzero()) == 0 for c in dmod._counters.values())
+
+
+@gpu
+def test_gpu_decode_ws_merge_reads_only_splits_with_keys():
+    """Merged in the kernel, a split without keys stores no partial and the merge reads none: with the partial
+    buffers poisoned (NaN), the output equals decode_attention's bit for bit, the slots of the splits without keys
+    are still NaN, those with keys are written, and the counters are zero again."""
+    from eightbit.kernels import decode_attention_hopper as H
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon decode kernel is sm_90 only")
+    seqs, splits, hq, hkv, d = [(1, 1), (17, 1), (700, 1), (4864, 1)], 19, 32, 8, 128
+    sc = Scenario(seqs, hq, hkv, d, torch.int8, 32, device="cuda", seed=3)
+    q = torch.randn(len(seqs), hq, d, device="cuda", dtype=torch.bfloat16)
+    expected = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, d ** -0.5, splits)
+    part_out = torch.full((len(seqs), hq, splits, d), float("nan"), device="cuda")
+    part_lse = torch.full((len(seqs), hq, splits), float("nan"), device="cuda")
+    out = torch.empty_like(q)
+    counters = torch.zeros(len(seqs) * hkv, dtype=torch.int32, device="cuda")
+    H.launch_ws(q, *sc.caches, sc.block_tables, sc.seq_lens, d ** -0.5 * dmod.LOG2E, out, part_out, part_lse, splits,
+                32, dmod._work_order(sc.seq_lens), counters)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    tile = H.CONSUMERS.value * 16  # a split's keys are whole tiles of CONSUMERS pages
+    for b, (n, _) in enumerate(seqs):
+        per_split = -(-(-(-n // splits)) // tile) * tile
+        live = -(-n // per_split)  # the splits with keys
+        assert 1 <= live <= splits and (live == splits) == (n == 4864)  # 4,864 keys fill all 19: three merge steps
+        assert not part_lse[b, :, :live].isnan().any() and part_lse[b, :, live:].isnan().all()
+    assert int(counters.count_nonzero()) == 0
 
 
 def _gpu_int8_caches(g, blocks, page, hkv, d):
@@ -875,14 +908,16 @@ def _graph_outputs_without_and_with_pdl(monkeypatch, caches, n_out, step):
 
 
 @gpu
-def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch):
+@pytest.mark.parametrize("b,width", [(16, 48), (1, 512)])
+def test_gpu_kv_write_then_decode_same_bits_with_pdl(monkeypatch, b, width):
     """kv_write lets the Gluon decode after it start early (programmatic dependent launch, sm_90), and the decode
-    waits before its first global read. Four layers of (rope_kv_write, decode_attention) replayed from a CUDA
-    graph give the same bits with PDL as without, for every layer."""
+    prefetches only hints before its wait. Four layers of (rope_kv_write, decode_attention) replayed from a CUDA
+    graph give the same bits with PDL as without, for every layer; batch 1 at the engine's table width runs 33
+    splits merged in the kernel, most of them without keys, through counters the four layers share."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("PDL and the Gluon decode kernel are sm_90 only")
     g = torch.Generator(device="cuda").manual_seed(7)
-    b, hq, hkv, d, page, width = 16, 32, 8, 128, 16, 48
+    hq, hkv, d, page = 32, 8, 128, 16
     layers = [_gpu_int8_caches(g, b * width, page, hkv, d) for _ in range(4)]
     bt, sl, pos, slots = _gpu_decode_slots(g, b, width, page)
     cos_sin = torch.randn(width * page, d, device="cuda", generator=g)
