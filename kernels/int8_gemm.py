@@ -81,6 +81,15 @@ def _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr):
 
 
 @triton.jit
+def _prefetch_weight_rows(rows_ptr, k0, k_last, stride_k, LINES: tl.constexpr, PER_LINE: tl.constexpr):
+    """Before the PDL wait: prefetch_l2 the first LINES 128-byte lines (PER_LINE elements each) of each weight row
+    (rows_ptr [rows]) from column k0, clamped to the row's last column k_last."""
+    tl.static_assert(LINES & (LINES - 1) == 0, "PREFETCH (lines) must be a power of two")
+    cols = tl.minimum(k0 + tl.arange(0, LINES) * PER_LINE, k_last)
+    prefetch_l2(rows_ptr[:, None] + cols[None, :] * stride_k)
+
+
+@triton.jit
 def _epilogue(acc, scales, offs_m, offs_n, M, N, bias_ptr, c_ptr, stride_cm, stride_cn, HAS_BIAS: tl.constexpr):
     xs, ws = scales
     mask_m = offs_m < M
@@ -148,9 +157,7 @@ def _int8_gemm_kernel(
     t_end = tl.minimum(t_start + per_split, k_tiles)
 
     if PDL and PREFETCH > 0:
-        tl.static_assert(PREFETCH & (PREFETCH - 1) == 0, "PREFETCH (lines) must be a power of two")
-        pf_k = tl.minimum(t_start * BLOCK_K + tl.arange(0, PREFETCH) * 128, K - 1)
-        prefetch_l2(b_ptr + rn[:, None] * stride_bn + pf_k[None, :] * stride_bk)
+        _prefetch_weight_rows(b_ptr + rn * stride_bn, t_start * BLOCK_K, K - 1, stride_bk, PREFETCH, 128)
     # launched with PDL (sm_90, small M): no load or store before the kernel before us has completed (the
     # prefetch above is only a hint)
     wait_for_previous_kernel(PDL)
@@ -281,9 +288,7 @@ def _int8_gemv_kernel(
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
     if PDL and PREFETCH > 0:  # 32 words a line
-        tl.static_assert(PREFETCH & (PREFETCH - 1) == 0, "PREFETCH (lines) must be a power of two")
-        pf_k = tl.minimum(t_start * BLOCK_KW + tl.arange(0, PREFETCH) * 32, KW - 1)
-        prefetch_l2(b_ptr + rn[:, None] * stride_bn + pf_k[None, :])
+        _prefetch_weight_rows(b_ptr + rn * stride_bn, t_start * BLOCK_KW, KW - 1, 1, PREFETCH, 32)
     wait_for_previous_kernel(PDL)  # as in _int8_gemm_kernel
 
     m0 = pid_m * BLOCK_M
