@@ -6,6 +6,10 @@
 With --buckets only those M buckets are tuned; the other entries of the existing table are kept. A tuned
 bucket keeps its committed entry unless the best candidate beats it by --min-gain (2 %) in the same run.
 
+With --behind-quant (for M buckets above 64, where a GEMM's time depends on how it starts behind the kernel
+that produces its input) every candidate is timed as the engine runs it: quant_per_token + the GEMM, launched with
+PDL in the chain. The entries it writes are marked "pdl": true; run --pdl afterwards to measure the mark.
+
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
 the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
 each, alternating). The entry is marked "pdl": true or false; the launch int8_gemm would use without the mark
@@ -19,12 +23,14 @@ M bucket of gemm_configs.M_BUCKETS, each candidate configuration is
    float64) bit for bit, as an fp32 output and rounded to a bf16 one (the kernels may
    store the two differently),
 3. timed as CUDA-graph replays over rotated weight copies (eval/bench_gemm.time_graph), without the PDL
-   chain (kernels/pdl.py): GEMM after GEMM, which the engine never runs, must not overlap through it.
+   chain (kernels/pdl.py): GEMM after GEMM, which the engine never runs, must not overlap through it
+   (--behind-quant: behind quant_per_token, in the chain).
 The fastest correct candidate is written with its time and the default's time.
 Shapes not finished inside the budget keep the default (gemm_configs.default_config).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -99,6 +105,9 @@ def candidates(m):
                 C(64, 32, 256, 8, 1, 4, 4), C(64, 32, 256, 8, 2, 4, 4), C(64, 64, 256, 8, 4, 4, 4),
                 C(128, 64, 128, 8, 2, 4, 4), C(128, 32, 256, 8, 1, 4, 4), C(128, 32, 256, 8, 2, 4, 4),
                 C(64, 64, 128, 8, 2, 4, 5), C(64, 64, 128, 8, 4, 4, 5),
+                # behind quant_per_token (--behind-quant) 64 x 64 x 256 beat the committed 64 x 32 tiles on 1B o at
+                # M = 192-256 by 10-11 %, and 5 stages of 64 x 32 at M = 128 (H100, gemm.md, twentieth session)
+                C(64, 64, 256, 8, 1, 4, 4), C(64, 64, 256, 8, 1, 4, 3), C(64, 32, 256, 8, 1, 4, 5),
                 # won gate_up at M 128 and 256 (seventh session); 256-row tiles (one M tile for the whole
                 # batch) lost every shape at M = 256 by 8-76 %: there these GEMMs are bound by the MMA
                 # pipeline, not by reading the weights (docs/benchmarks/gemm.md)
@@ -158,6 +167,8 @@ def main(argv=None):
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="keep a committed entry unless the best candidate beats it by this fraction in the same run")
     ap.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
+    ap.add_argument("--behind-quant", action="store_true",
+                    help="time each candidate behind quant_per_token in the PDL chain (as the engine runs it)")
     args = ap.parse_args(argv)
     if args.pdl:
         return tune_pdl(args)
@@ -168,9 +179,16 @@ def main(argv=None):
     from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
 
+    from eightbit.kernels.quant_per_token import quant_per_token
+
+    if args.behind_quant and not pdl.chain_enabled(torch.device("cuda")):
+        raise SystemExit("--behind-quant times the chain's launches: it needs an sm_90 GPU with EIGHTBIT_PDL and "
+                         "EIGHTBIT_PDL_CHAIN not 0")
     # configs are timed GEMM after GEMM, which the engine never runs (a producer always sits between two GEMMs):
-    # without the chain, so that one GEMM's late trigger does not overlap the next; the PDL marks are --pdl's job
-    pdl.CHAIN = False
+    # without the chain, so that one GEMM's late trigger does not overlap the next; the PDL marks are --pdl's job.
+    # --behind-quant times them behind that producer instead, launched as the chain launches them.
+    if not args.behind_quant:
+        pdl.CHAIN = False
 
     buckets = [int(b) for b in args.buckets.split(",") if b] or list(gc.M_BUCKETS)
     # the table being replaced (--out, else the one the package reads): its entries are timed again as a baseline
@@ -222,6 +240,7 @@ def main(argv=None):
             nc = n_copies(n * k)
             wqs = [wq0] + [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc - 1)]
             xs = torch.rand(m, 1, device="cuda") * 0.01
+            x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             wss = [torch.rand(n, 1, device="cuda") * 0.01 for _ in range(nc)]
             default = gc.default_config(m, n, k)
             prev = prev_of(mb, n, k)
@@ -234,9 +253,13 @@ def main(argv=None):
                     if not (torch.equal(out, exact) and torch.equal(out16, exact.to(torch.bfloat16))):
                         print(f"WRONG RESULT: {cfg} at M={m} N={n} K={k}", flush=True)
                         continue
-                    timings[cfg] = time_graph(
-                        [lambda i=i, c=cfg: int8_gemm_with_config(xq, xs, wqs[i], wss[i], None, torch.bfloat16, c)
-                         for i in range(nc)], target_ms=1.0, replays=3)
+                    if args.behind_quant:
+                        calls = [lambda i=i, c=dataclasses.replace(cfg, pdl=True): int8_gemm_with_config(
+                            *quant_per_token(x16), wqs[i], wss[i], None, torch.bfloat16, c) for i in range(nc)]
+                    else:
+                        calls = [lambda i=i, c=cfg: int8_gemm_with_config(xq, xs, wqs[i], wss[i], None,
+                                                                          torch.bfloat16, c) for i in range(nc)]
+                    timings[cfg] = time_graph(calls, target_ms=1.0, replays=3)
                 except Exception as e:  # noqa: BLE001
                     print(f"failed: {cfg} at M={m} N={n} K={k}: {repr(e)[:150]}", flush=True)
             log += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict(), us=round(t, 3)) for c, t in timings.items()]
@@ -244,7 +267,9 @@ def main(argv=None):
                 continue
             best = choose(timings, prev if (mb, n, k) in prev_table else None, args.min_gain)
             config = best.to_dict()
-            if prev.pdl is not None and best == prev:
+            if args.behind_quant:
+                config["pdl"] = True  # as it was timed; --pdl measures the mark
+            elif prev.pdl is not None and best == prev:
                 config["pdl"] = prev.pdl  # the same config keeps its measured launch
             elif prev.pdl is not None:
                 print(f"N={n} K={k} M<={mb}: a new config, its PDL mark dropped: re-run --pdl", flush=True)
@@ -254,7 +279,7 @@ def main(argv=None):
             print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {timings.get(default, float('nan')):8.1f}us,"
                   f" before {timings.get(prev, float('nan')):8.1f}us, {n * k / timings[best] / 1e3:6.0f} GB/s)"
                   f"  {best.key()}", flush=True)
-            del wqs, wss, exact
+            del wqs, wss, exact, x16
             torch.cuda.empty_cache()
     kept = [e for (mb, n, k), e in old.items() if mb not in buckets]  # with their recorded times
     if args.log:
@@ -290,8 +315,6 @@ def _load_entries(path):
 
 def tune_pdl(args):
     """--pdl: every entry of the buckets timed behind quant_per_token with and without PDL; sets its "pdl"."""
-    import dataclasses
-
     from eightbit.eval.bench_gemm import n_copies, time_graph
     from eightbit.kernels import gemm_configs as gc
     from eightbit.kernels.int8_gemm import PDL_MAX_M, int8_gemm_with_config
