@@ -1,7 +1,15 @@
 """Shared fixtures: the embedded SmolLM2 as an HF transformers model (the reference) and as our engine."""
 
-import pytest
+import os
+
 import torch
+
+# Triton reads TRITON_INTERPRET once, when it is first imported (its own jit helpers such as tl.cdiv are built
+# then), so it is set here, before any test module imports triton: without a GPU the kernels run on CPU tensors
+# under the interpreter, with one they compile (the `gpu` tests). A value already set wins.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

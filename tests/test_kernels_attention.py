@@ -8,22 +8,18 @@ most 2x that of a plain-torch bf16 implementation of the same math, plus a small
 
 import os
 
+import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are imported
-
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from eightbit.kernels import reference as R  # noqa: E402
-from eightbit.kernels import decode_attention as dmod  # noqa: E402
-from eightbit.kernels import prefill_attention as pmod  # noqa: E402
-from eightbit.kernels.decode_attention import decode_attention, decode_attention_splits  # noqa: E402
-from eightbit.kernels.kv_write import kv_write, rope_kv_write  # noqa: E402
-from eightbit.kernels.prefill_attention import prefill_attention  # noqa: E402
-from eightbit.quant.int8 import quantize_groups  # noqa: E402
+from eightbit.kernels import reference as R
+from eightbit.kernels import decode_attention as dmod
+from eightbit.kernels import prefill_attention as pmod
+from eightbit.kernels.decode_attention import decode_attention, decode_attention_splits
+from eightbit.kernels.kv_write import kv_write, rope_kv_write
+from eightbit.kernels.prefill_attention import prefill_attention
+from eightbit.quant.int8 import quantize_groups
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run the kernels under TRITON_INTERPRET=1")

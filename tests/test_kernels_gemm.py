@@ -1,26 +1,22 @@
 """Tests of the W8A8 GEMM and the fused per-token quantizers against kernels/reference.py.
 
-CPU (CI): the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (set
-below before anything imports triton; run the GPU tests with TRITON_INTERPRET=0).
+CPU (CI): the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest.py sets it before
+anything imports triton; with a GPU it sets 0).
 The interpreter mishandles bf16 arithmetic, so the CPU tests use fp16/fp32.
 GPU (`pytest -m gpu`): the same checks on CUDA tensors in bf16, plus every
 committed table shape, split-K determinism and CUDA-graph capture.
 """
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from eightbit.kernels import reference as R  # noqa: E402
-from eightbit.kernels import gemm_configs  # noqa: E402
-from eightbit.kernels.gemm_configs import GemmConfig  # noqa: E402
-from eightbit.kernels.int8_gemm import _int8_gemm_kernel, int8_gemm, int8_gemm_with_config  # noqa: E402
-from eightbit.kernels.quant_per_token import quant_per_token  # noqa: E402
-from eightbit.kernels.rmsnorm_quant import rms_norm, rmsnorm_quant  # noqa: E402
-from eightbit.kernels.silu_mul_quant import silu_mul, silu_mul_quant  # noqa: E402
+from eightbit.kernels import reference as R
+from eightbit.kernels import gemm_configs
+from eightbit.kernels.gemm_configs import GemmConfig
+from eightbit.kernels.int8_gemm import _int8_gemm_kernel, int8_gemm, int8_gemm_with_config
+from eightbit.kernels.quant_per_token import quant_per_token
+from eightbit.kernels.rmsnorm_quant import rms_norm, rmsnorm_quant
+from eightbit.kernels.silu_mul_quant import silu_mul, silu_mul_quant
 
 INTERPRETED = type(_int8_gemm_kernel).__name__ == "InterpretedFunction"
 cpu = pytest.mark.skipif(not INTERPRETED, reason="Triton kernels were imported without TRITON_INTERPRET=1")

@@ -7,18 +7,14 @@ import os
 import subprocess
 import sys
 
-# like the other kernel tests, before triton is imported: triton reads it once, and the kernel
-# tests collected after this file need the interpreter
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 
-import torch  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
-
-from eightbit.kernels.launch import arg_key  # noqa: E402
+from eightbit.kernels.launch import arg_key
 
 _BASE = torch.zeros(256)
 
