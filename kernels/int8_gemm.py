@@ -133,6 +133,7 @@ def _int8_gemm_kernel(
     PDL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr,
     PREFETCH: tl.constexpr,  # 128-byte lines of each weight row pulled into L2 before the PDL wait
+    TRIGGER_AHEAD: tl.constexpr,  # with LATE_TRIGGER: allow dependents this many K steps before the loop ends
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -171,6 +172,9 @@ def _int8_gemm_kernel(
         scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for t in range(t_start, t_end):
+        if TRIGGER_AHEAD > 0:
+            if t == t_end - TRIGGER_AHEAD:
+                allow_dependents(LATE_TRIGGER)
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -181,7 +185,8 @@ def _int8_gemm_kernel(
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    # every weight byte is in: the kernel after us (waiting for our output) may be scheduled now
+    # every weight byte is in: the kernel after us (waiting for our output) may be scheduled now (if the loop
+    # has not allowed it already: a repeated trigger does nothing)
     allow_dependents(LATE_TRIGGER)
     if not EARLY_SCALES:
         scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
@@ -497,6 +502,22 @@ def _prefetch_lines(pdl_args):
     return PREFETCH_LINES if pdl_args["LATE_TRIGGER"] else 0
 
 
+# K steps before the end of its loop at which the dot kernel, in the chain, allows its dependents (0: after the
+# loop), up to TRIGGER_AHEAD_MAX_M rows. The next kernel's launch (~0.75 us from the last program's trigger to its
+# first program, a %globaltimer timeline showed) then overlaps this kernel's last loads instead of following them.
+# H100, same process (docs/benchmarks/gemm.md, twentieth session), 0 -> 2 steps: the linear part of a decode layer
+# 1-4 % faster at M = 8-64 (8B M = 8 92.5 -> 91.0 us, 1B M = 16 39.9 -> 38.3), even at M = 128; GEMM after GEMM
+# 0.1-0.4 us faster (8B qkv at M = 8 10.65 -> 10.56 us). 3 steps: faster GEMM after GEMM, no better in the layer.
+# The eighteenth session's trigger after the loop stays above M = 128, where it was not measured; the nineteenth's
+# trial at num_stages - 1 steps (up to 5) made the 8B layer 1-1.5 % slower at M = 64-128.
+TRIGGER_AHEAD_STEPS = 2
+TRIGGER_AHEAD_MAX_M = PDL_MAX_M
+
+
+def _trigger_ahead(m, pdl_args):
+    return TRIGGER_AHEAD_STEPS if pdl_args["LATE_TRIGGER"] and m <= TRIGGER_AHEAD_MAX_M else 0
+
+
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):
     if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
         raise TypeError(f"x_q and w_q must be int8, got {x_q.dtype} and {w_q.dtype}")
@@ -565,7 +586,8 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         stride_cm=strides[4], stride_cn=strides[5],
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0), PREFETCH=_prefetch_lines(pdl_args), **pdl_args,
+        SPLIT_K=split_k, EVEN_K=(k % cfg.block_k == 0), PREFETCH=_prefetch_lines(pdl_args),
+        TRIGGER_AHEAD=_trigger_ahead(m, pdl_args), **pdl_args,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_options)
     return out
 

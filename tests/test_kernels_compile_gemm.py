@@ -58,7 +58,7 @@ def _compile_gemm(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from eightbit.kernels.int8_gemm import _int8_gemm_kernel, _int8_gemv_kernel
+    from eightbit.kernels.int8_gemm import _int8_gemv_kernel
 
     cfg, even_k = job
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
@@ -84,6 +84,23 @@ def _compile_gemm(job):
         return cfg.key(), even_k, k.metadata.shared, None
     if cfg.kernel == "ws":
         return _compile_ws(cfg)
+    from eightbit.kernels.int8_gemm import TRIGGER_AHEAD_STEPS
+
+    k = _compile_dot(cfg, even_k, TRIGGER_AHEAD_STEPS)
+    ptx = k.asm["ptx"]
+    _assert_pdl(ptx)
+    _assert_weight_prefetch(ptx)
+    if TRIGGER_AHEAD_STEPS > 0:
+        assert ptx.count("griddepcontrol.launch_dependents") >= 2, "the trigger inside the K loop is missing"
+    return cfg.key(), even_k, k.metadata.shared, k.n_regs if hasattr(k, "n_regs") else None
+
+
+def _compile_dot(cfg, even_k, trigger_ahead):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from eightbit.kernels.int8_gemm import _int8_gemm_kernel
+
     fn = _int8_gemm_kernel
     sig = {
         "a_ptr": "*i8", "xs_ptr": "*fp32", "b_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
@@ -96,7 +113,7 @@ def _compile_gemm(job):
         "stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_BIAS": True,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
         "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True, "LATE_TRIGGER": True,
-        "PREFETCH": PREFETCH_LINES_COMPILED,
+        "PREFETCH": PREFETCH_LINES_COMPILED, "TRIGGER_AHEAD": trigger_ahead,
     }
     for name in consts:
         sig[name] = "constexpr"
@@ -104,10 +121,20 @@ def _compile_gemm(job):
              "N", "K", "stride_am", "stride_bn", "stride_cm"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    _assert_pdl(k.asm["ptx"])
-    _assert_weight_prefetch(k.asm["ptx"])
-    return cfg.key(), even_k, k.metadata.shared, k.n_regs if hasattr(k, "n_regs") else None
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def _trigger_keeps_pipeline(cfg):
+    """The trigger inside the K loop leaves the loop as pipelined as the one after it: the same async copies
+    (cp.async and their waits) and the same shared memory."""
+    from eightbit.kernels.int8_gemm import TRIGGER_AHEAD_STEPS
+
+    after, inside = (_compile_dot(cfg, True, t) for t in (0, max(1, TRIGGER_AHEAD_STEPS)))
+    counts = [(k.metadata.shared, *(k.asm["ptx"].count(op) for op in ("cp.async.cg", "cp.async.wait_group")))
+              for k in (after, inside)]
+    assert counts[0] == counts[1] and counts[0][1] > 0, f"{cfg}: (shared, cp.async, waits) {counts[0]} -> {counts[1]}"
+    return cfg.key(), "trigger inside the loop: pipeline unchanged", counts[1]
 
 
 def _compile_ws(cfg):
@@ -194,12 +221,17 @@ def _compile_row(job):
 
 
 def main():
+    from eightbit.kernels.gemm_configs import GemmConfig
+
+    # a decode-size and a mid-size dot config (the early trigger's range, int8_gemm.TRIGGER_AHEAD_MAX_M)
+    pipeline_checks = [GemmConfig(16, 16, 256, 1, 1, 1, 6), GemmConfig(64, 64, 256, 8, 1, 4, 4)]
     jobs = _gemm_jobs()
     rows = [("rms", 4096, True), ("rms", 576, False), ("silu", 14336, True), ("silu", 1536, False),
             ("quant", 4096, True)]
     failed = []
     with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         futures = [(j, pool.submit(_compile_gemm, j)) for j in jobs] + [(r, pool.submit(_compile_row, r)) for r in rows]
+        futures += [(c, pool.submit(_trigger_keeps_pipeline, c)) for c in pipeline_checks]
         for job, fut in futures:
             try:
                 res = fut.result()
