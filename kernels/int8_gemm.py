@@ -506,8 +506,9 @@ def _prefetch_lines(pdl_args):
 # loop), up to TRIGGER_AHEAD_MAX_M rows. The next kernel's launch (~0.75 us from the last program's trigger to its
 # first program, a %globaltimer timeline showed) then overlaps this kernel's last loads instead of following them.
 # H100, same process (docs/benchmarks/gemm.md, twentieth session), 0 -> 2 steps: the linear part of a decode layer
-# 1-4 % faster at M = 8-64 (8B M = 8 92.5 -> 91.0 us, 1B M = 16 39.9 -> 38.3), even at M = 128; GEMM after GEMM
-# 0.1-0.4 us faster (8B qkv at M = 8 10.65 -> 10.56 us). 3 steps: faster GEMM after GEMM, no better in the layer.
+# 1-4 % faster at M = 8-64 (8B M = 8 92.5 -> 91.0 us, 1B M = 16 39.9 -> 38.3), equal (8B) or 1 % faster (1B) at
+# M = 128; GEMM after GEMM 0.1-0.4 us faster (8B qkv at M = 8 10.65 -> 10.56 us). 3 steps: faster GEMM after GEMM,
+# no better in the layer.
 # The eighteenth session's trigger after the loop stays above M = 128, where it was not measured; the nineteenth's
 # trial at num_stages - 1 steps (up to 5) made the 8B layer 1-1.5 % slower at M = 64-128.
 TRIGGER_AHEAD_STEPS = 2

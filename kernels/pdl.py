@@ -25,8 +25,9 @@ hint for its L2 prefetch, below).
 
 The chain: a decode layer is rmsnorm_quant, qkv GEMM, kv_write, decode attention, quant_per_token, o GEMM,
 rmsnorm_quant, gate_up GEMM, silu_mul_quant, down GEMM, all ours. So the other half of each hand-over is covered
-too: the small-M GEMMs allow their dependents once their K loop is done (every weight byte is in) and the Gluon
-decode kernel once its producer has issued its last copy; the producers (the norm, SiLU and quantization kernels,
+too: the small-M GEMMs allow their dependents near the end of their K loop (the dot kernel two K steps before it
+ends, so that the next kernel's launch overlaps its last loads: int8_gemm.TRIGGER_AHEAD_STEPS, twentieth session;
+the gemv kernel after it) and the Gluon decode kernel once its producer has issued its last copy; the producers (the norm, SiLU and quantization kernels,
 kv_write) are launched with PDL and wait as they start, right after allowing their own dependents. A late trigger,
 not an early one: a GEMM that allowed dependents as it started let the next GEMM's programs hold SM slots while
 it still streamed (the 17 % above). Measured on an H100 (docs/benchmarks/gemm.md and engine.md, eighteenth
