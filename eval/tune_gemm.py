@@ -170,6 +170,8 @@ def main(argv=None):
     ap.add_argument("--behind-quant", action="store_true",
                     help="time each candidate behind quant_per_token in the PDL chain (as the engine runs it)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_gemm times the int8 GEMM kernels on a CUDA GPU, and this machine has none")
     if args.pdl:
         return tune_pdl(args)
     t0 = time.time()

@@ -215,7 +215,8 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     """Which GEMM launches use PDL (kernels/pdl.py) where it is available: the Triton kernels up to PDL_MAX_M rows,
     the Gluon kernel never, unless the config (a table entry's mark) says otherwise. Without the chain the marks
     are ignored (they were measured with it) and the Triton kernels wait but do not let the next kernel start
-    early. Only in the chain do the Triton kernels prefetch weight lines before their wait. A config's pdl flag is
+    early. Only in the chain do the Triton kernels prefetch weight lines before their wait, and the dot kernel
+    allow its dependents before its K loop ends. A config's pdl flag is
     how it launches, not which kernel it is: equality and key() ignore it."""
     import dataclasses
 
@@ -234,6 +235,11 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     assert mod._pdl(dev, 8, dataclasses.replace(dot, pdl=False)) == mod._PLAIN_LAUNCH
     assert mod._prefetch_lines(mod._pdl(dev, 8, dot)[0]) == mod.PREFETCH_LINES > 0
     assert mod._prefetch_lines(mod._PLAIN_LAUNCH[0]) == 0
+    # in the chain the dot kernel allows its dependents a few K steps early, up to TRIGGER_AHEAD_MAX_M rows
+    assert mod._trigger_ahead(8, mod._pdl(dev, 8, dot)[0]) == mod.TRIGGER_AHEAD_STEPS > 0
+    big = mod.TRIGGER_AHEAD_MAX_M + 1
+    assert mod._trigger_ahead(big, mod._pdl(dev, big, dataclasses.replace(dot, pdl=True))[0]) == 0
+    assert mod._trigger_ahead(8, mod._PLAIN_LAUNCH[0]) == 0
     from eightbit.kernels import int8_gemm_hopper as H  # the Gluon launch gets the same decision
 
     seen = []
@@ -245,6 +251,7 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     monkeypatch.setattr(mod, "chain_enabled", lambda device: False)
     assert mod._pdl(dev, 8, dot) == mod._PDL_LAUNCH  # waits, but lets no kernel after it start early
     assert mod._prefetch_lines(mod._pdl(dev, 8, dot)[0]) == 0  # and prefetches nothing: the old launch
+    assert mod._trigger_ahead(8, mod._pdl(dev, 8, dot)[0]) == 0  # nor triggers (it lets no kernel start early)
     assert mod._pdl(dev, 8, dataclasses.replace(dot, pdl=False)) == mod._PDL_LAUNCH
     assert mod._pdl(dev, 256, dataclasses.replace(dot, pdl=True)) == mod._PLAIN_LAUNCH
     assert mod._pdl(dev, 256, dataclasses.replace(ws, pdl=True)) == mod._PLAIN_LAUNCH

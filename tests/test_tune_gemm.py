@@ -1,5 +1,10 @@
-"""eval/tune_gemm's choices (CPU): the committed table entry or a re-tune's fastest candidate; PDL or not."""
+"""eval/tune_gemm's choices (CPU): the committed table entry or a re-tune's fastest candidate; PDL or not; a clear
+error where there is no GPU to tune on."""
 
+import pytest
+import torch
+
+from eightbit.eval import tune_gemm
 from eightbit.eval.tune_gemm import choose, choose_pdl
 from eightbit.kernels.gemm_configs import GemmConfig
 
@@ -31,3 +36,12 @@ def test_choose_pdl_keeps_the_unmarked_launch_unless_clearly_beaten():
     assert choose_pdl(9.79, 10.0, default=True) is False
     assert choose_pdl(11.0, 10.0, default=True) is True
     assert choose_pdl(10.0, 9.5, default=False, min_gain=0.06) is False
+
+
+def test_tune_gemm_without_a_gpu_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "table.json"
+    for flags in ([], ["--pdl"], ["--behind-quant"]):
+        with pytest.raises(SystemExit, match="CUDA GPU"):
+            tune_gemm.main(flags + ["--out", str(out)])
+    assert not out.exists()  # nothing written
