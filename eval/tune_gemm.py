@@ -6,9 +6,11 @@
 With --buckets only those M buckets are tuned; the other entries of the existing table are kept. A tuned
 bucket keeps its committed entry unless the best candidate beats it by --min-gain (2 %) in the same run.
 
-With --behind-quant (for M buckets above 64, where a GEMM's time depends on how it starts behind the kernel
-that produces its input) every candidate is timed as the engine runs it: quant_per_token + the GEMM, launched with
-PDL in the chain. The entries it writes are marked "pdl": true; run --pdl afterwards to measure the mark.
+With --behind-quant --buckets B,... every candidate is timed as the engine runs it: quant_per_token + the GEMM,
+launched with PDL in the chain (a GEMM's time depends on how it starts behind the kernel that produces its input;
+the committed buckets 128-256 were tuned this way). An entry keeps its config's measured PDL mark where the config
+stays; a new config is marked "pdl": true, as it was timed, and the entry says "timed": "behind_quant" (its times
+include the quantization). Run --pdl on the same buckets afterwards to measure the marks.
 
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
 the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
@@ -141,10 +143,13 @@ def _inputs(m, n, k, device="cuda"):
     return xq, wq
 
 
-def _warm(jobs):
-    """Worker: compile (launch once) each (m, n, k, cfg); returns the failures."""
+def _warm(jobs, chain):
+    """Worker: compile (launch once) each (m, n, k, cfg), with the PDL chain on or off as the timing process will
+    launch it; returns the failures."""
+    from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
 
+    pdl.CHAIN = chain
     failed = []
     for m, n, k, cfg in jobs:
         try:
@@ -166,10 +171,13 @@ def main(argv=None):
     ap.add_argument("--log", help="write every candidate's time here (JSON)")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="keep a committed entry unless the best candidate beats it by this fraction in the same run")
-    ap.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
-    ap.add_argument("--behind-quant", action="store_true",
-                    help="time each candidate behind quant_per_token in the PDL chain (as the engine runs it)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
+    mode.add_argument("--behind-quant", action="store_true",
+                      help="time each candidate behind quant_per_token in the PDL chain (as the engine runs it)")
     args = ap.parse_args(argv)
+    if args.behind_quant and not args.buckets:
+        ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")
     if not torch.cuda.is_available():
         raise SystemExit("tune_gemm times the int8 GEMM kernels on a CUDA GPU, and this machine has none")
     if args.pdl:
@@ -181,8 +189,6 @@ def main(argv=None):
     from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
 
-    from eightbit.kernels.quant_per_token import quant_per_token
-
     if args.behind_quant and not pdl.chain_enabled(torch.device("cuda")):
         raise SystemExit("--behind-quant times the chain's launches: it needs an sm_90 GPU with EIGHTBIT_PDL and "
                          "EIGHTBIT_PDL_CHAIN not 0")
@@ -191,6 +197,9 @@ def main(argv=None):
     # --behind-quant times them behind that producer instead, launched as the chain launches them.
     if not args.behind_quant:
         pdl.CHAIN = False
+
+    def timed(cfg):  # the launch a candidate is checked and timed with
+        return dataclasses.replace(cfg, pdl=True) if args.behind_quant else cfg
 
     buckets = [int(b) for b in args.buckets.split(",") if b] or list(gc.M_BUCKETS)
     # the table being replaced (--out, else the one the package reads): its entries are timed again as a baseline
@@ -217,13 +226,13 @@ def main(argv=None):
         key = (cfg, m == 1, k % cfg.block_k == 0)
         if key not in seen:
             seen.add(key)
-            uniq.append((m, n, k, cfg))
+            uniq.append((m, n, k, timed(cfg)))
     uniq.sort(key=lambda j: j[0] * j[1])  # cheap launches first
     ctx = torch.multiprocessing.get_context("spawn")
     bad = set()
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:
         chunks = [uniq[i :: args.workers] for i in range(args.workers)]
-        for failed in pool.map(_warm, chunks):
+        for failed in pool.map(_warm, chunks, [pdl.CHAIN] * len(chunks)):
             for m, n, k, cfg, why in failed:
                 print(f"compile/launch failed: {cfg} at M={m}: {why}", file=sys.stderr)
                 bad.add(cfg)
@@ -242,7 +251,7 @@ def main(argv=None):
             nc = n_copies(n * k)
             wqs = [wq0] + [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc - 1)]
             xs = torch.rand(m, 1, device="cuda") * 0.01
-            x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if args.behind_quant else None
             wss = [torch.rand(n, 1, device="cuda") * 0.01 for _ in range(nc)]
             default = gc.default_config(m, n, k)
             prev = prev_of(mb, n, k)
@@ -250,17 +259,17 @@ def main(argv=None):
             timings = {}
             for cfg in cands:
                 try:
-                    out = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.float32, cfg)
-                    out16 = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.bfloat16, cfg)
+                    tc = timed(cfg)
+                    out = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.float32, tc)
+                    out16 = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.bfloat16, tc)
                     if not (torch.equal(out, exact) and torch.equal(out16, exact.to(torch.bfloat16))):
                         print(f"WRONG RESULT: {cfg} at M={m} N={n} K={k}", flush=True)
                         continue
                     if args.behind_quant:
-                        calls = [lambda i=i, c=dataclasses.replace(cfg, pdl=True): int8_gemm_with_config(
-                            *quant_per_token(x16), wqs[i], wss[i], None, torch.bfloat16, c) for i in range(nc)]
+                        calls = _behind_quant(x16, wqs, wss, tc)
                     else:
-                        calls = [lambda i=i, c=cfg: int8_gemm_with_config(xq, xs, wqs[i], wss[i], None,
-                                                                          torch.bfloat16, c) for i in range(nc)]
+                        calls = [lambda i=i, c=tc: int8_gemm_with_config(xq, xs, wqs[i], wss[i], None,
+                                                                         torch.bfloat16, c) for i in range(nc)]
                     timings[cfg] = time_graph(calls, target_ms=1.0, replays=3)
                 except Exception as e:  # noqa: BLE001
                     print(f"failed: {cfg} at M={m} N={n} K={k}: {repr(e)[:150]}", flush=True)
@@ -269,18 +278,23 @@ def main(argv=None):
                 continue
             best = choose(timings, prev if (mb, n, k) in prev_table else None, args.min_gain)
             config = best.to_dict()
-            if args.behind_quant:
-                config["pdl"] = True  # as it was timed; --pdl measures the mark
-            elif prev.pdl is not None and best == prev:
+            if prev.pdl is not None and best == prev:
                 config["pdl"] = prev.pdl  # the same config keeps its measured launch
+            elif args.behind_quant:
+                config["pdl"] = True  # as it was timed
+                print(f"N={n} K={k} M<={mb}: a new config, marked pdl as timed: re-run --pdl", flush=True)
             elif prev.pdl is not None:
                 print(f"N={n} K={k} M<={mb}: a new config, its PDL mark dropped: re-run --pdl", flush=True)
-            entries.append(dict(m_bucket=mb, n=n, k=k, config=config, us=round(timings[best], 2),
-                                default_us=round(timings.get(default, float("nan")), 2),
-                                prev_us=round(timings.get(prev, float("nan")), 2), prev_config=prev.to_dict()))
-            print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {timings.get(default, float('nan')):8.1f}us,"
-                  f" before {timings.get(prev, float('nan')):8.1f}us, {n * k / timings[best] / 1e3:6.0f} GB/s)"
-                  f"  {best.key()}", flush=True)
+            entry = dict(m_bucket=mb, n=n, k=k, config=config, us=round(timings[best], 2),
+                         default_us=round(timings.get(default, float("nan")), 2),
+                         prev_us=round(timings.get(prev, float("nan")), 2), prev_config=prev.to_dict())
+            if args.behind_quant:
+                entry["timed"] = "behind_quant"  # the times include quant_per_token, all launched with PDL
+            entries.append(entry)
+            what = "quant + GEMM" if args.behind_quant else f"{n * k / timings[best] / 1e3:6.0f} GB/s"
+            t_default, t_prev = timings.get(default, float("nan")), timings.get(prev, float("nan"))
+            print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {t_default:8.1f}us,"
+                  f" before {t_prev:8.1f}us, {what})  {best.key()}", flush=True)
             del wqs, wss, exact, x16
             torch.cuda.empty_cache()
     kept = [e for (mb, n, k), e in old.items() if mb not in buckets]  # with their recorded times
@@ -288,6 +302,16 @@ def main(argv=None):
         with open(args.log, "w") as f:
             json.dump(log, f)
     _write_table(args.out, kept + entries, t0, note)
+
+
+def _behind_quant(x16, wqs, wss, cfg):
+    """quant_per_token of x16, then the GEMM with each rotated weight copy, as the engine pairs them: the calls
+    to time."""
+    from eightbit.kernels.int8_gemm import int8_gemm_with_config
+    from eightbit.kernels.quant_per_token import quant_per_token
+
+    return [lambda i=i: int8_gemm_with_config(*quant_per_token(x16), wqs[i], wss[i], config=cfg)
+            for i in range(len(wqs))]
 
 
 def _write_table(path, entries, t0, note=None):
@@ -353,8 +377,7 @@ def tune_pdl(args):
         for order in ((False, True), (True, False)):
             for flag in order:
                 times[flag].append(time_graph(
-                    [lambda i=i, c=variants[flag]: int8_gemm_with_config(*quant_per_token(x), wqs[i], wss[i], config=c)
-                     for i in range(nc)], target_ms=2.0, replays=3))
+                    _behind_quant(x, wqs, wss, variants[flag]), target_ms=2.0, replays=3))
         off, on = (sum(times[f]) / 2 for f in (False, True))
         e["config"]["pdl"] = choose_pdl(off, on, cfg.kernel != "ws" and m <= PDL_MAX_M, args.min_gain)
         log.append(dict(m_bucket=m, n=n, k=k, off_us=times[False], on_us=times[True], pdl=e["config"]["pdl"]))

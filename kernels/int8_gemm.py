@@ -47,7 +47,8 @@ M <= 128, and any kernel where its table entry says so (GemmConfig.pdl): their p
 as the kernel before them allows it (the norm, SiLU and quantization kernels do as they start) and wait in
 `griddepcontrol.wait` before any load or store (see PDL_MAX_M for the measurements). In turn they allow the
 kernel after them (a norm, SiLU, quantization or kv_write kernel, which waits for the GEMM's output) to be
-scheduled once their K loop is done. In that chain, before they wait, each program prefetches the first
+scheduled near the end of their K loop (the gemv kernel after it, the dot kernel one K step before it ends:
+TRIGGER_AHEAD_STEPS). In that chain, before they wait, each program prefetches the first
 PREFETCH_LINES 128-byte lines of each of its weight rows, from the start of its K range, into L2 (the weights are
 not what the kernel before writes, and a prefetch is only a hint anyway), so the first loads after the wait do
 not pay DRAM latency.
@@ -133,7 +134,7 @@ def _int8_gemm_kernel(
     PDL: tl.constexpr,
     LATE_TRIGGER: tl.constexpr,
     PREFETCH: tl.constexpr,  # 128-byte lines of each weight row pulled into L2 before the PDL wait
-    TRIGGER_AHEAD: tl.constexpr,  # with LATE_TRIGGER: allow dependents this many K steps before the loop ends
+    TRIGGER_AHEAD: tl.constexpr,  # with LATE_TRIGGER: allow dependents in K step t_end - TRIGGER_AHEAD
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -172,8 +173,8 @@ def _int8_gemm_kernel(
         scales = _tile_scales(offs_m, offs_n, M, N, xs_ptr, ws_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for t in range(t_start, t_end):
-        if TRIGGER_AHEAD > 0:
-            if t == t_end - TRIGGER_AHEAD:
+        if LATE_TRIGGER and TRIGGER_AHEAD > 0:
+            if t == t_end - TRIGGER_AHEAD and t > t_start:  # a split of <= TRIGGER_AHEAD steps: after its loop
                 allow_dependents(LATE_TRIGGER)
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -476,8 +477,8 @@ _CHAIN_LAUNCH = (dict(PDL=True, LATE_TRIGGER=True), {"launch_pdl": True})
 def _pdl(device, m, cfg):
     """(constexprs, launch options): launched with PDL on sm_90 where the config says so (a table entry's mark,
     measured with the chain), else up to PDL_MAX_M rows for the Triton kernels; in the chain (kernels/pdl.py)
-    allowing the next kernel to start after the K loop. The Gluon kernel only ever gets PDL in the chain, so its
-    one PDL flag (wait and trigger) follows PDL here."""
+    allowing the next kernel to start near the end of the K loop. The Gluon kernel only ever gets PDL in the chain,
+    so its one PDL flag (wait and trigger) follows PDL here."""
     if not pdl_enabled(device):
         return _PLAIN_LAUNCH
     chain = chain_enabled(device)
@@ -502,9 +503,12 @@ def _prefetch_lines(pdl_args):
     return PREFETCH_LINES if pdl_args["LATE_TRIGGER"] else 0
 
 
-# K steps before the end of its loop at which the dot kernel, in the chain, allows its dependents (0: after the
-# loop), up to TRIGGER_AHEAD_MAX_M rows. The next kernel's launch (~0.75 us from the last program's trigger to its
-# first program, a %globaltimer timeline showed) then overlaps this kernel's last loads instead of following them.
+# In the chain, up to TRIGGER_AHEAD_MAX_M rows, the dot kernel allows its dependents in K step t_end -
+# TRIGGER_AHEAD_STEPS instead of after its loop (0: after the loop; a split of no more steps than that too). The
+# software pipeliner puts the trigger at the end of that step's body, after its MMA and after the copies of the
+# steps ahead are issued: with 2, one K step's MMA is left. The next kernel's launch (~0.75 us from the last
+# program's trigger to its first program, a %globaltimer timeline showed) then overlaps this kernel's last step
+# and epilogue instead of following them.
 # H100, same process (docs/benchmarks/gemm.md, twentieth session), 0 -> 2 steps: the linear part of a decode layer
 # 1-4 % faster at M = 8-64 (8B M = 8 92.5 -> 91.0 us, 1B M = 16 39.9 -> 38.3), equal (8B) or 1 % faster (1B) at
 # M = 128; GEMM after GEMM 0.1-0.4 us faster (8B qkv at M = 8 10.65 -> 10.56 us). 3 steps: faster GEMM after GEMM,

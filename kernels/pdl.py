@@ -25,14 +25,15 @@ hint for its L2 prefetch, below).
 
 The chain: a decode layer is rmsnorm_quant, qkv GEMM, kv_write, decode attention, quant_per_token, o GEMM,
 rmsnorm_quant, gate_up GEMM, silu_mul_quant, down GEMM, all ours. So the other half of each hand-over is covered
-too: the small-M GEMMs allow their dependents near the end of their K loop (the dot kernel two K steps before it
-ends, so that the next kernel's launch overlaps its last loads: int8_gemm.TRIGGER_AHEAD_STEPS, twentieth session;
-the gemv kernel after it) and the Gluon decode kernel once its producer has issued its last copy; the producers (the norm, SiLU and quantization kernels,
-kv_write) are launched with PDL and wait as they start, right after allowing their own dependents. A late trigger,
-not an early one: a GEMM that allowed dependents as it started let the next GEMM's programs hold SM slots while
-it still streamed (the 17 % above). Measured on an H100 (docs/benchmarks/gemm.md and engine.md, eighteenth
-session): engine decode at batch 1 3.67 -> 3.58 ms per token (two alternations in one call, both 3.58), the
-linear part of a decode layer 1-2 us faster at M <= 64, bit-identical. Above M = 128, and for the Gluon GEMM, a
+too: the small-M GEMMs allow their dependents near the end of their K loop (the gemv kernel after its loop, the
+dot kernel with one K step left, so that the next kernel's launch overlaps it: int8_gemm.TRIGGER_AHEAD_STEPS,
+twentieth session) and the Gluon decode kernel once its producer has issued its last copy; the producers (the
+norm, SiLU and quantization kernels, kv_write) are launched with PDL and wait as they start, right after allowing
+their own dependents. A late trigger, not an early one: a GEMM that allowed dependents as it started let the
+next GEMM's programs hold SM slots while it still streamed (the 17 % above). Measured on an H100
+(docs/benchmarks/gemm.md and engine.md, eighteenth session): engine decode at batch 1 3.67 -> 3.58 ms per token
+(two alternations in one call, both 3.58), the linear part of a decode layer 1-2 us faster at M <= 64,
+bit-identical. Above M = 128, and for the Gluon GEMM, a
 GEMM gets PDL where its table entry is marked so (gemm_configs.GemmConfig.pdl, measured by `tune_gemm --pdl`).
 EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelfth session's launches: the
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
@@ -86,7 +87,7 @@ def pdl_enabled(device):
 
 
 def chain_enabled(device):
-    """Whether the GEMMs allow their dependents after their K loop and the producers wait for them."""
+    """Whether the GEMMs allow their dependents near the end of their K loop and the producers wait for them."""
     return CHAIN and pdl_enabled(device)
 
 

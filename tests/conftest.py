@@ -2,14 +2,17 @@
 
 import os
 
+import pytest
 import torch
 
-# Triton reads TRITON_INTERPRET once, when it is first imported (its own jit helpers such as tl.cdiv are built
-# then), so it is set here, before any test module imports triton: without a GPU the kernels run on CPU tensors
-# under the interpreter, with one they compile (the `gpu` tests). A value already set wins.
-os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-import pytest  # noqa: E402
+def pytest_configure(config):
+    """Triton reads TRITON_INTERPRET once, when it is first imported (its own jit helpers such as tl.cdiv are built
+    then), so it is set here, before any test module imports triton. The kernels run on CPU tensors under the
+    interpreter, unless this run selects the `gpu` tests on a machine with CUDA (`pytest -m gpu`): so the default
+    run's kernel tests run on any machine. A value already set wins."""
+    selects_gpu = "gpu" in (config.getoption("markexpr") or "").replace("not gpu", "")
+    os.environ.setdefault("TRITON_INTERPRET", "0" if selects_gpu and torch.cuda.is_available() else "1")
 
 
 @pytest.fixture(scope="session")

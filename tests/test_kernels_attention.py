@@ -6,8 +6,6 @@ FlashAttention rule: max error vs a float64 reference on the dequantized cache m
 most 2x that of a plain-torch bf16 implementation of the same math, plus a small atol.
 """
 
-import os
-
 import pytest
 import torch
 import triton
@@ -18,10 +16,11 @@ from eightbit.kernels import decode_attention as dmod
 from eightbit.kernels import prefill_attention as pmod
 from eightbit.kernels.decode_attention import decode_attention, decode_attention_splits
 from eightbit.kernels.kv_write import kv_write, rope_kv_write
+from eightbit.kernels.launch import interpreting
 from eightbit.kernels.prefill_attention import prefill_attention
 from eightbit.quant.int8 import quantize_groups
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = interpreting()
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU tests run the kernels under TRITON_INTERPRET=1")
 gpu = pytest.mark.gpu
 

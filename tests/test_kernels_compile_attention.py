@@ -1,6 +1,6 @@
 """Compile every attention kernel, for each entry of kernels/attention_configs.py, for sm_90.
 
-Runs in a subprocess without TRITON_INTERPRET (other test modules set it in this process),
+Runs in a subprocess without TRITON_INTERPRET (tests/conftest.py sets it in this process),
 through triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)): no GPU needed, so
 CI catches kernels that the interpreter accepts but the compiler rejects, and configs whose
 shared memory does not fit a Hopper multiprocessor.

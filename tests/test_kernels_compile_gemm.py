@@ -4,7 +4,7 @@ No GPU is needed: triton.compile with a GPUTarget runs the whole pipeline down t
 a cubin with the ptxas shipped in the triton wheel. This catches configurations
 that cannot be built (shared memory over the limit, bad block shapes, int8 dots
 with BLOCK_K < 32) before they reach the GPU. It runs in a subprocess so that
-TRITON_INTERPRET, which the interpreted kernel tests set, is not in effect.
+TRITON_INTERPRET, which tests/conftest.py sets for the interpreted kernel tests, is not in effect.
 """
 
 import os
@@ -61,7 +61,6 @@ def _compile_gemm(job):
     from eightbit.kernels.int8_gemm import _int8_gemv_kernel
 
     cfg, even_k = job
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
     if cfg.kernel == "gemv":
         fn = _int8_gemv_kernel
         sig = {
@@ -78,7 +77,7 @@ def _compile_gemm(job):
                  "N", "KW", "stride_am", "stride_bn", "stride_cm"]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_options(cfg))
         _assert_pdl(k.asm["ptx"])
         _assert_weight_prefetch(k.asm["ptx"])
         return cfg.key(), even_k, k.metadata.shared, None
@@ -121,8 +120,11 @@ def _compile_dot(cfg, even_k, trigger_ahead):
              "N", "K", "stride_am", "stride_bn", "stride_cm"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_options(cfg))
+
+
+def _options(cfg):
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
 
 
 def _trigger_keeps_pipeline(cfg):
@@ -131,9 +133,9 @@ def _trigger_keeps_pipeline(cfg):
     from eightbit.kernels.int8_gemm import TRIGGER_AHEAD_STEPS
 
     after, inside = (_compile_dot(cfg, True, t) for t in (0, max(1, TRIGGER_AHEAD_STEPS)))
-    counts = [(k.metadata.shared, *(k.asm["ptx"].count(op) for op in ("cp.async.cg", "cp.async.wait_group")))
-              for k in (after, inside)]
-    assert counts[0] == counts[1] and counts[0][1] > 0, f"{cfg}: (shared, cp.async, waits) {counts[0]} -> {counts[1]}"
+    ops = ("cp.async.cg", "cp.async.wait_group", "wgmma.wait_group")
+    counts = [(k.metadata.shared, *(k.asm["ptx"].count(op) for op in ops)) for k in (after, inside)]
+    assert counts[0] == counts[1] and counts[0][1] > 0, f"{cfg}: (shared, {', '.join(ops)}) {counts[0]} -> {counts[1]}"
     return cfg.key(), "trigger inside the loop: pipeline unchanged", counts[1]
 
 
@@ -240,7 +242,8 @@ def main():
                 print("ok", res, flush=True)
             except Exception as e:  # noqa: BLE001
                 failed.append((job, repr(e)[:300]))
-    print(f"compiled {len(jobs)} gemm configs and {len(rows)} row kernels; {len(failed)} failed")
+    print(f"compiled {len(jobs)} gemm configs, {len(rows)} row kernels and {len(pipeline_checks)} pipeline checks; "
+          f"{len(failed)} failed")
     for job, why in failed:
         print("FAILED", job, why)
     sys.exit(1 if failed else 0)

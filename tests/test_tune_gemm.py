@@ -41,7 +41,18 @@ def test_choose_pdl_keeps_the_unmarked_launch_unless_clearly_beaten():
 def test_tune_gemm_without_a_gpu_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "table.json"
-    for flags in ([], ["--pdl"], ["--behind-quant"]):
+    for flags in ([], ["--pdl"], ["--behind-quant", "--buckets", "128"]):
         with pytest.raises(SystemExit, match="CUDA GPU"):
             tune_gemm.main(flags + ["--out", str(out)])
     assert not out.exists()  # nothing written
+
+
+def test_tune_gemm_rejects_conflicting_modes(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    for flags in (["--pdl", "--behind-quant", "--buckets", "128"], ["--behind-quant"]):
+        with pytest.raises(SystemExit) as e:
+            tune_gemm.main(flags + ["--out", str(out)])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "not allowed with argument" in err and "--behind-quant needs --buckets" in err
+    assert not out.exists()
