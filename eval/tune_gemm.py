@@ -9,7 +9,7 @@ bucket keeps its committed entry unless the best candidate beats it by --min-gai
 With --behind-quant --buckets B,... every candidate is timed as the engine runs it: quant_per_token + the GEMM,
 launched with PDL in the chain (a GEMM's time depends on how it starts behind the kernel that produces its input;
 the committed buckets 128-256 were tuned this way). An entry keeps its config's measured PDL mark where the config
-stays; a new config is marked "pdl": true, as it was timed, and the entry says "timed": "behind_quant" (its times
+stays; any other is marked "pdl": true, as it was timed, and the entry says "timed": "behind_quant" (its times
 include the quantization). Run --pdl on the same buckets afterwards to measure the marks.
 
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
@@ -282,7 +282,8 @@ def main(argv=None):
                 config["pdl"] = prev.pdl  # the same config keeps its measured launch
             elif args.behind_quant:
                 config["pdl"] = True  # as it was timed
-                print(f"N={n} K={k} M<={mb}: a new config, marked pdl as timed: re-run --pdl", flush=True)
+                print(f"N={n} K={k} M<={mb}: marked pdl: true, as timed (no measured mark for this config): "
+                      "re-run --pdl", flush=True)
             elif prev.pdl is not None:
                 print(f"N={n} K={k} M<={mb}: a new config, its PDL mark dropped: re-run --pdl", flush=True)
             entry = dict(m_bucket=mb, n=n, k=k, config=config, us=round(timings[best], 2),
