@@ -33,8 +33,8 @@ their own dependents. A late trigger, not an early one: a GEMM that allowed depe
 next GEMM's programs hold SM slots while it still streamed (the 17 % above). Measured on an H100
 (docs/benchmarks/gemm.md and engine.md, eighteenth session): engine decode at batch 1 3.67 -> 3.58 ms per token
 (two alternations in one call, both 3.58), the linear part of a decode layer 1-2 us faster at M <= 64,
-bit-identical. Above M = 128, and for the Gluon GEMM, a
-GEMM gets PDL where its table entry is marked so (gemm_configs.GemmConfig.pdl, measured by `tune_gemm --pdl`).
+bit-identical. Above M = 128, and for the Gluon GEMM, a GEMM gets PDL where its table entry is marked so
+(gemm_configs.GemmConfig.pdl, measured by `tune_gemm --pdl`).
 EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelfth session's launches: the
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
 
@@ -45,10 +45,10 @@ weight rows into L2 before waiting (int8_gemm.PREFETCH_LINES), and the Gluon dec
 pages (decode_attention_hopper.PREFETCH_TILES), computing their addresses from indices (the work order, a
 sequence's length, block-table entries) that it loads around L1 (`.cg`, so that no stale line stays there for
 the loads after the wait) and clamps into their tensors. Their first loads after the wait then come from L2
-instead of DRAM. Measured on an H100
-(docs/benchmarks/gemm.md, attention.md and engine.md, nineteenth session), same process: the linear part of a
-decode layer 1-7 % faster at M = 1-128, kv_write + decode + quant_per_token 0.5-1.4 us faster a layer at batch
-1-64; the engine's decode 2.5 % more tokens/s at batch 16, 3.7 % at 64, 0.5 % at batch 1; bit-identical.
+instead of DRAM. Measured on an H100 (docs/benchmarks/gemm.md, attention.md and engine.md, nineteenth
+session), same process: the linear part of a decode layer 1-7 % faster at M = 1-128, kv_write + decode +
+quant_per_token 0.5-1.4 us faster a layer at batch 1-64; the engine's decode 2.5 % more tokens/s at batch 16,
+3.7 % at 64, 0.5 % at batch 1; bit-identical.
 
 A program counts as having allowed its dependents at the first `launch_dependents` any of its threads executes
 (Triton's and PTX's docs: repeated calls have no effect); the Gluon kernels execute it in their producer warp.

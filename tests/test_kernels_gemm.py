@@ -216,8 +216,8 @@ def test_gemm_pdl_launch_rule_cpu(monkeypatch):
     the Gluon kernel never, unless the config (a table entry's mark) says otherwise. Without the chain the marks
     are ignored (they were measured with it) and the Triton kernels wait but do not let the next kernel start
     early. Only in the chain do the Triton kernels prefetch weight lines before their wait, and the dot kernel
-    allow its dependents before its K loop ends. A config's pdl flag is
-    how it launches, not which kernel it is: equality and key() ignore it."""
+    allow its dependents before its K loop ends. A config's pdl flag is how it launches, not which kernel it is:
+    equality and key() ignore it."""
     import dataclasses
 
     from eightbit.kernels import int8_gemm as mod
