@@ -10,7 +10,10 @@ With --behind-quant --buckets B,... every candidate is timed as the engine runs 
 launched with PDL in the chain (a GEMM's time depends on how it starts behind the kernel that produces its input;
 the committed buckets 128-256 were tuned this way). An entry keeps its config's measured PDL mark where the config
 stays; any other is marked "pdl": true, as it was timed, and the entry says "timed": "behind_quant" (its times
-include the quantization). Run --pdl on the same buckets afterwards to measure the marks.
+include the quantization). Run --pdl on the same buckets afterwards to measure the marks. Check its picks in
+the engine before committing them: quant_per_token stands in for every producer (the engine has rmsnorm_quant
+before qkv and gate_up, silu_mul_quant before down), and at buckets 2-4 the entries it picked, each faster here,
+made the 8B engine 1-3 % slower (docs/benchmarks/engine.md, run 50).
 
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
 the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
