@@ -6,14 +6,14 @@
 With --buckets only those M buckets are tuned; the other entries of the existing table are kept. A tuned
 bucket keeps its committed entry unless the best candidate beats it by --min-gain (2 %) in the same run.
 
-With --behind-quant --buckets B,... every candidate is timed as the engine runs it: quant_per_token + the GEMM,
-launched with PDL in the chain (a GEMM's time depends on how it starts behind the kernel that produces its input;
-the committed buckets 128-256 were tuned this way). An entry keeps its config's measured PDL mark where the config
-stays; any other is marked "pdl": true, as it was timed, and the entry says "timed": "behind_quant" (its times
-include the quantization). Run --pdl on the same buckets afterwards to measure the marks. Check its picks in
-the engine before committing them: quant_per_token stands in for every producer (the engine has rmsnorm_quant
-before qkv and gate_up, silu_mul_quant before down), and at buckets 2-4 the entries it picked, each faster here,
-made the 8B engine 1-3 % slower (docs/benchmarks/engine.md, run 50).
+With --behind-quant --buckets B,... every candidate is timed behind a producer, as the engine launches it:
+quant_per_token + the GEMM, with PDL in the chain (a GEMM's time depends on how it starts behind the kernel that
+produces its input; the committed buckets 128-256 were tuned this way). An entry keeps its config's measured PDL
+mark where the config stays; any other is marked "pdl": true, as it was timed, and the entry says "timed":
+"behind_quant" (its times include the quantization). Run --pdl on the same buckets afterwards to measure the
+marks. Check its picks in the engine before committing them: quant_per_token stands in for every producer (the
+engine has rmsnorm_quant before qkv and gate_up, silu_mul_quant before down), and at buckets 2-4 the entries it
+picked, each faster here, made the 8B engine 1-3 % slower (docs/benchmarks/engine.md, run 50).
 
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
 the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
@@ -177,7 +177,7 @@ def main(argv=None):
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
     mode.add_argument("--behind-quant", action="store_true",
-                      help="time each candidate behind quant_per_token in the PDL chain (as the engine runs it)")
+                      help="time each candidate behind quant_per_token in the PDL chain (check the picks in the engine)")
     args = ap.parse_args(argv)
     if args.behind_quant and not args.buckets:
         ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")

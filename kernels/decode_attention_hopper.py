@@ -369,8 +369,9 @@ def _merge_store(o, m, l, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, kvh, b
         out_mask = row_ok
         lse_mask = rows < QPK
         if MERGE:  # a split without keys stores nothing: our merge skips it (the merge kernel reads every split)
-            out_mask = out_mask & (split < live_splits)
-            lse_mask = lse_mask & (split < live_splits)
+            has_keys = split < live_splits
+            out_mask = out_mask & has_keys
+            lse_mask = lse_mask & has_keys
         gl.store(part_out_ptr + gl.expand_dims(row_base * D, 1) + gl.expand_dims(cols, 0), res, mask=out_mask)
         lse = gl.where(nonempty, gl.convert_layout(m_all, row_l) + gl.log2(l_safe), float("-inf"))
         gl.store(part_lse_ptr + row_base, lse, mask=lse_mask)
