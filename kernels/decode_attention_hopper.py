@@ -3,7 +3,8 @@
 Same contract and the same key range per split as the Triton kernel in decode_attention.py (with more
 splits than attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS the partials go to the same merge kernel), a
 different structure. The work items are the Triton kernel's programs — (kv head,
-sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks them, each program every grid-th item:
+sequence, context split) — and each program walks every grid-th of them (_grid_size: one item per program up to two
+rounds of the resident programs, else a persistent grid of those, its odd rounds walked in reverse, _snake_item):
 
 * a producer warp walks the items' keys in tiles of CONSUMERS pages and fills a ring of STAGES
   shared-memory slots: each page's K ([page, D], token-major) and V ([D, page], key-minor) by TMA, one
@@ -33,7 +34,9 @@ sequence, context split) — and a grid of PROGRAMS_PER_SM programs per SM walks
   1.0-1.7 us a call at batch 2-16 (H100, attention.md, sixteenth session), 0.9-2.2 us at batch 1 (nineteenth).
 
 Work items are taken kv head fastest, then sequences longest first (decode_attention._work_order), then
-splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up.
+splits: a greedy longest-first schedule, since the hardware starts programs in order as SMs free up. A persistent
+grid walks its rounds alternately forwards and backwards, so the program that got a round's longest item gets the
+next round's shortest.
 
 On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.py): its programs may be
 scheduled and set up (barriers, descriptors) while kv_write, which allows it, still runs; both partitions wait
@@ -140,6 +143,16 @@ def _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_p
 
 
 @gluon.jit
+def _snake_item(pos, total, grid):
+    """The work item at a program's position pos = program id + r * grid (r: its round) of the items 0..total-1:
+    rounds of grid items, odd rounds in reverse (a round's n items go to programs n - 1, ..., 0). With the items
+    sorted longest first, a program that got a long item in one round gets a short one in the next."""
+    r = pos // grid
+    n = gl.minimum(grid, total - r * grid)
+    return gl.where(r % 2 == 1, r * grid + n - 1 - (pos - r * grid), pos)
+
+
+@gluon.jit
 def _split_range(seq_len, split, num_splits, TILE: gl.constexpr):
     """[start, end) of a split's keys (the Triton kernel's split rule, splits rounded to whole tiles), and how
     many of the sequence's splits have keys: the split count comes from the longest possible context, so at
@@ -183,7 +196,8 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
                               HKV, PAGE, D, PREFETCH_TILES)
     _wait_for_previous_kernel(PDL)
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
-    for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
+    for pos in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
+        item = _snake_item(pos, HKV * batch * num_splits, gl.num_programs(0))
         kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
         bt_row = block_tables_ptr + b * stride_bt
         # the tile's page numbers are loaded one tile ahead: their latency (a global load) stays off the
@@ -246,7 +260,8 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
     _wait_for_previous_kernel(PDL)
     it = 0
-    for item in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
+    for pos in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
+        item = _snake_item(pos, HKV * batch * num_splits, gl.num_programs(0))
         kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV,
                                                             TILE)
         it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr,
@@ -472,11 +487,18 @@ _launch_kernel = FastLauncher(_decode_ws_kernel)
 # consumers at 136) spilled and read 5-20 points less; 4 slots instead of 2 changed nothing.
 STAGES = 2
 MAXNREG = 104
-# Programs per SM in the grid (None: one per work item). Two are resident at a time; each walks every
-# grid-th work item, its producer running ahead into the next item while the math warps finish one. With
-# the engine's mixed context lengths 8 balanced like one program per item (the hardware hands out programs
-# as SMs free up) and kept the persistent grid's gain at short uniform contexts (attention.md, ninth session).
-PROGRAMS_PER_SM = 8
+# The grid (_grid_size). RESIDENT_PER_SM programs fit on an SM at once (MAXNREG). Up to PERSISTENT_AFTER_ROUNDS
+# rounds of those, each work item gets its own program and the hardware hands them out as SMs free up; with more
+# items a persistent grid of the resident programs walks them (_snake_item), each producer running ahead into
+# its next item while the math warps finish one. Against one program per item (up to 8 per SM before), same
+# process, calls back to back, us (H100, attention.md, twenty-second session): 128 x 2k 209.9 -> 207.8, 256 x 2k
+# 404.1 -> 403.1, engine-width tables (512) at 640 keys: batch 128 79.3 -> 75.3, 256 145.7 -> 142.8; lengths
+# U[100, 2k] at batch 128 / 256 113.0 -> 110.5 / 233.0 -> 230.6; 128 x 4-6k and 256 x 3k within 0.3 %; 256 x 8k
+# 1,569 -> 1,582 (more than an 8B model's cache holds on an 80 GB card). At batch 64 (1.9 rounds) it was 1.5 %
+# faster at uniform lengths and 0.8 % slower at mixed ones, so it starts above two rounds. Without the reversed
+# rounds it lost 4-16 % at mixed lengths.
+RESIDENT_PER_SM = 2
+PERSISTENT_AFTER_ROUNDS = 2
 # Tiles of each program's first work item pulled into L2 before the PDL wait (_prefetch_first_tiles); 0: none.
 # H100, same process (attention.md, nineteenth session): behind kv_write, us per kv_write + decode +
 # quant_per_token, 0 -> 1 tile: 16 x 2k 38.3 -> 36.9, 64 x 640 47.7 -> 46.5, 1 x 4k 14.9 -> 13.9; calls back to
@@ -516,6 +538,12 @@ def _descriptor(t, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _layout(tuple(block)))
 
 
+def _grid_size(items, sms):
+    """One program per work item up to PERSISTENT_AFTER_ROUNDS rounds of the resident programs, else those."""
+    resident = RESIDENT_PER_SM * sms
+    return items if items <= PERSISTENT_AFTER_ROUNDS * resident else resident
+
+
 def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_scale, out, part_out, part_lse,
               splits, group, order, counters=None):
     """order: the sequences' indices in work order (decode_attention._work_order).
@@ -529,7 +557,7 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
     v_rows = d * page // 128
     v3 = v_cache.view(nblk * hkv, v_rows, 128)  # a (block, kv head)'s V: D x page bytes as rows of 128
     items = hkv * bsz * splits
-    grid = min(items, PROGRAMS_PER_SM * sm_count(q.device)) if PROGRAMS_PER_SM else items
+    grid = _grid_size(items, sm_count(q.device))
     pdl = pdl_enabled(q.device)
     _launch_kernel((grid,), dict(
         q_ptr=q, out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,

@@ -776,6 +776,20 @@ def test_decode_ws_host_copies_v_pages_as_wide_rows(monkeypatch, d):
     assert grid == (b * hkv,) and opts["num_warps"] == 4
 
 
+def test_decode_ws_grid_size():
+    """The Gluon decode's grid: one program per work item up to two rounds of the resident programs (two per SM),
+    then a persistent grid of those (the kernel then walks its rounds alternately forwards and backwards)."""
+    from eightbit.kernels import decode_attention_hopper as H
+
+    assert (H.RESIDENT_PER_SM, H.PERSISTENT_AFTER_ROUNDS) == (2, 2)
+    assert H._grid_size(1, 132) == 1
+    assert H._grid_size(512, 132) == 512  # batch 64 x 8 kv heads: 1.9 rounds, one program each
+    assert H._grid_size(528, 132) == 528
+    assert H._grid_size(529, 132) == 264
+    assert H._grid_size(2048, 132) == 264  # batch 256 x 8 kv heads
+    assert H._grid_size(29, 7) == 14
+
+
 @gpu
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("splits", [None, 1, 5, 19])
@@ -784,7 +798,8 @@ def test_decode_ws_host_copies_v_pages_as_wide_rows(monkeypatch, d):
 def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge_in_kernel):
     """The warp-specialized Gluon kernel (forced on at any batch): FlashAttention's rule against float64,
     a padded slot (seq_len 0) gives zeros, and its output is within a float16 rounding of the Triton kernel's.
-    small_grid: a grid of 16 programs, so each walks several work items through one ring. merge_in_kernel: the
+    small_grid: 7 SMs, so above 28 work items a persistent grid of 14 programs walks them through one ring, odd
+    rounds in reverse (a partial odd round at the end for most of these shapes). merge_in_kernel: the
     splits merged by their last program or by the merge kernel; merged in the kernel, the counters are all zero
     again after every call. With 19 splits the 4,864-key sequence has keys in all of them (three steps of
     MERGE_CHUNK) and the short ones in one or two (the rest store nothing and are not merged)."""
@@ -792,7 +807,7 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
     from eightbit.kernels import decode_attention_hopper as H
 
     if small_grid:
-        monkeypatch.setattr(H, "sm_count", lambda device: 16 // H.PROGRAMS_PER_SM)
+        monkeypatch.setattr(H, "sm_count", lambda device: 7)
     monkeypatch.setattr(C, "DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS", 128 if merge_in_kernel else 0)
 
     seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1), (4864, 1)]
