@@ -65,6 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from eightbit.kernels.attention_configs import DECODE_WS_PROGRAMS_PER_SM
 from eightbit.kernels.launch import FastLauncher, is_sm90, sm_count
 from eightbit.kernels.pdl import chain_enabled, pdl_enabled
 from eightbit.kernels.prefill_attention import I8_TO_F16_PTX
@@ -196,8 +197,9 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
                               HKV, PAGE, D, PREFETCH_TILES)
     _wait_for_previous_kernel(PDL)
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
-    for pos in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
-        item = _snake_item(pos, HKV * batch * num_splits, gl.num_programs(0))
+    total = HKV * batch * num_splits
+    for pos in range(gl.program_id(0), total, gl.num_programs(0)):
+        item = _snake_item(pos, total, gl.num_programs(0))
         kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
         bt_row = block_tables_ptr + b * stride_bt
         # the tile's page numbers are loaded one tile ahead: their latency (a global load) stays off the
@@ -260,8 +262,9 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
     _wait_for_previous_kernel(PDL)
     it = 0
-    for pos in range(gl.program_id(0), HKV * batch * num_splits, gl.num_programs(0)):
-        item = _snake_item(pos, HKV * batch * num_splits, gl.num_programs(0))
+    total = HKV * batch * num_splits
+    for pos in range(gl.program_id(0), total, gl.num_programs(0)):
+        item = _snake_item(pos, total, gl.num_programs(0))
         kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV,
                                                             TILE)
         it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr,
@@ -487,7 +490,8 @@ _launch_kernel = FastLauncher(_decode_ws_kernel)
 # consumers at 136) spilled and read 5-20 points less; 4 slots instead of 2 changed nothing.
 STAGES = 2
 MAXNREG = 104
-# The grid (_grid_size). RESIDENT_PER_SM programs fit on an SM at once (MAXNREG). Up to PERSISTENT_AFTER_ROUNDS
+# The grid (_grid_size). RESIDENT_PER_SM programs fit on an SM at once (MAXNREG; the split rule's target,
+# attention_configs.DECODE_WS_PROGRAMS_PER_SM, is the same count). Up to PERSISTENT_AFTER_ROUNDS
 # rounds of those, each work item gets its own program and the hardware hands them out as SMs free up; with more
 # items a persistent grid of the resident programs walks them (_snake_item), each producer running ahead into
 # its next item while the math warps finish one. Against one program per item (up to 8 per SM before), same
@@ -497,7 +501,7 @@ MAXNREG = 104
 # 1,569 -> 1,582 (more than an 8B model's cache holds on an 80 GB card). At batch 64 (1.9 rounds) it was 1.5 %
 # faster at uniform lengths and 0.8 % slower at mixed ones, so it starts above two rounds. Without the reversed
 # rounds it lost 4-16 % at mixed lengths.
-RESIDENT_PER_SM = 2
+RESIDENT_PER_SM = DECODE_WS_PROGRAMS_PER_SM
 PERSISTENT_AFTER_ROUNDS = 2
 # Tiles of each program's first work item pulled into L2 before the PDL wait (_prefetch_first_tiles); 0: none.
 # H100, same process (attention.md, nineteenth session): behind kv_write, us per kv_write + decode +
