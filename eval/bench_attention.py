@@ -46,10 +46,9 @@ L2_ROTATE_BYTES = 256 << 20
 REPLAY_MS = 2.0
 
 
-def time_graph(fns, min_ms=60.0, replay_ms=None):
+def time_graph(fns, min_ms=60.0):
     """Median ms per call of fns (a list of closures), replayed as one CUDA graph that calls them in turn, pass
-    after pass, for about replay_ms (REPLAY_MS; at most 64 passes)."""
-    replay_ms = REPLAY_MS if replay_ms is None else replay_ms
+    after pass, for about REPLAY_MS (at most 64 passes)."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -61,11 +60,11 @@ def time_graph(fns, min_ms=60.0, replay_ms=None):
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     passes = 1
-    if replay_ms > 0:
+    if REPLAY_MS > 0:
         one = _graph_of(fns, 1)
         per_pass = _median_ms(one.replay, 5.0, max_reps=5)
         del one
-        passes = max(1, min(64, math.ceil(replay_ms / max(per_pass, 1e-4))))
+        passes = max(1, min(64, math.ceil(REPLAY_MS / max(per_pass, 1e-4))))
     g = _graph_of(fns, passes)
     ms = _median_ms(g.replay, min_ms, max_reps=40)
     del g
