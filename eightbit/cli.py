@@ -46,6 +46,8 @@ def run_generate(args) -> int:
         tok = llm.get_tokenizer()
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=False) for p in prompts]
+    for prompt in prompts:  # every prompt checked before the first one runs
+        llm.engine.check_request(prompt, params)
     for i, prompt in enumerate(prompts):  # one prompt at a time, so its text streams in order
         if len(prompts) > 1:
             print(f"--- [{i}] {args.prompts[i]}", flush=True)

@@ -54,9 +54,29 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.kv_group_size is not None and self.kv_cache_dtype != "int8":
+            raise ValueError("kv_group_size applies to the int8 KV cache only: pass kv_cache_dtype='int8' with it")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = str(_checked_device(self.device))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def _checked_device(name) -> torch.device:
+    """The device named, if this machine has it (checked here, before minutes of model loading)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU (torch sees none)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+    return device

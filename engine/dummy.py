@@ -6,6 +6,8 @@ linears on the fly if `quantization="w8a8"`. No Llama tokenizer is available off
 so dummy models take token-id prompts and produce no text (only token ids).
 """
 
+import os
+
 import torch
 
 KNOWN_SHAPES = {
@@ -23,14 +25,21 @@ KNOWN_SHAPES = {
 }
 
 
+def check_model_shape(model):
+    """Raise ValueError unless `model` names a known shape or a local directory with a config.json."""
+    if model in KNOWN_SHAPES or (model is not None and os.path.isfile(os.path.join(model, "config.json"))):
+        return
+    raise ValueError(f"dummy weights need a model shape: one of {sorted(KNOWN_SHAPES)} or a local directory with "
+                     f"a config.json, got {model!r}")
+
+
 def dummy_config(model):
     from transformers import AutoConfig, LlamaConfig
 
+    check_model_shape(model)
     if model in KNOWN_SHAPES:
         return LlamaConfig(**KNOWN_SHAPES[model])
-    if model is None:
-        raise ValueError(f"load_format='dummy' needs a model shape: one of {sorted(KNOWN_SHAPES)} or a config dir")
-    return AutoConfig.from_pretrained(model)
+    return AutoConfig.from_pretrained(model, local_files_only=True)
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """`LLM`: the offline Python API (vLLM's names), a thin driver of `LLMEngine`."""
 
 import itertools
+from contextlib import closing
 
 from tqdm.auto import tqdm
 
@@ -25,21 +26,23 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None):
-        """prompts: a str, a list of str, or a list of token-id lists; sampling_params: one or one per prompt.
+        """prompts: a str, a list of str, or a list of token-id lists; sampling_params and priority: one, or one
+        per prompt.
 
-        Returns one RequestOutput per prompt, in prompt order. Invalid input raises before anything runs.
+        Returns one RequestOutput per prompt, in prompt order. Invalid input raises before anything runs; an
+        exception while it runs (Ctrl-C included) aborts this call's requests, so the engine stays usable.
         """
         prompts = self._as_list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        priorities = priority or [0] * len(prompts)
+        params = self._per_prompt(sampling_params, len(prompts), "sampling params")
+        priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities")
         ids = self._add(prompts, params, priorities)
         finished = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar, \
+                closing(self._run(ids)) as outputs:
+            for out in outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
         return [finished[i] for i in ids]
 
     def stream(self, prompts, sampling_params=None):
@@ -48,21 +51,38 @@ class LLM:
         The deltas of one completion, joined, equal its final text.
         """
         prompts = self._as_list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = self._per_prompt(sampling_params, len(prompts), "sampling params")
         ids = self._add(prompts, params, [0] * len(prompts))
         index = {request_id: i for i, request_id in enumerate(ids)}
+        with closing(self._run(ids)) as outputs:  # closed, and so aborted, when the consumer stops early
+            for out in outputs:
+                yield index[out.request_id], out
+
+    def _run(self, ids):
+        """Step the engine until the requests `ids` finish, yielding their outputs. However this ends (an error,
+        Ctrl-C, a consumer that stops early), requests of `ids` still running are aborted, so that none keeps KV
+        blocks or runs on in a later call. Requests added straight to the engine share the batch and advance
+        too, but what `step()` returns for them is dropped here: drive those with `engine.step()` alone."""
+        unfinished = set(ids)
         try:
-            while self.engine.has_unfinished_requests():
+            while unfinished:
                 for out in self.engine.step():
-                    yield index[out.request_id], out
-        finally:  # a consumer that stops early must not leave requests holding KV blocks
-            for request_id in ids:
+                    if out.request_id in unfinished:
+                        if out.finished:
+                            unfinished.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in unfinished:
                 self.engine.abort(request_id)
 
     def chat(self, messages, sampling_params=None, use_tqdm=True):
         """messages: one conversation (a list of {"role", "content"}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            _check_conversation(conversation)
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer and its chat template; this model has none (dummy weights)")
         prompts = [
             tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations
         ]
@@ -83,18 +103,33 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts):
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
             return [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
+                            f"got {type(prompts).__name__}")
         if not prompts:
             raise ValueError("no prompts given")
         return list(prompts)
 
     @staticmethod
-    def _params_per_prompt(sampling_params, n):
-        if sampling_params is None:
-            return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
-        return list(sampling_params)
+    def _per_prompt(value, n, what):
+        """One value per prompt: a single value is shared by all; a list must have one for each."""
+        if value is None:
+            value = SamplingParams()
+        if isinstance(value, (SamplingParams, int)):
+            return [value] * n
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{what}: expected one value or a list of one per prompt, got {type(value).__name__}")
+        if len(value) != n:
+            raise ValueError(f"got {len(value)} {what} for {n} prompts")
+        return list(value)
+
+
+def _check_conversation(messages):
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"each message must be a dict with a str 'role' and a str 'content', got {m!r:.80}")

@@ -5,6 +5,7 @@ packed batch; afterwards every sequence that finished its pending tokens samples
 one token, is checked for stop conditions and detokenized incrementally.
 """
 
+import operator
 import time
 from dataclasses import dataclass
 
@@ -137,21 +138,32 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        text, token_ids = self._tokenize(prompt)
-        max_tokens = self.max_model_len - len(token_ids)
-        if max_tokens < 1:
-            raise ValueError(
-                f"prompt of {len(token_ids)} tokens leaves no room to generate within max_model_len={self.max_model_len}"
-            )
+        text, token_ids = self.check_request(prompt, params, priority)
         request = Request(request_id, text, token_ids, params, priority, time.monotonic())
         self._init_sequence(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
         return request
+
+    def check_request(self, prompt, params, priority=0):
+        """Raise what `add_request` would raise for this prompt and these SamplingParams; else return the
+        prompt's (text or None, token ids). Changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        vocab = self.hf_config.vocab_size
+        for field in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, field) or 0) > vocab:
+                raise ValueError(f"{field}={getattr(params, field)} exceeds the vocabulary size {vocab}")
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room to generate within max_model_len={self.max_model_len}"
+            )
+        return text, token_ids
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
@@ -160,13 +172,14 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer(prompt).input_ids
-        token_ids = list(prompt)
-        if not token_ids:
+        prompt = list(prompt)
+        if not prompt:
             raise ValueError("prompt is empty")
         vocab = self.hf_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        token_ids = [_as_token_id(t) for t in prompt]  # numpy and torch integers too
+        bad = [t for t, i in zip(prompt, token_ids) if i is None or not 0 <= i < vocab]
         if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise ValueError(f"prompt token ids must be integers in the vocabulary [0, {vocab}), got {bad[:5]}")
         return None, token_ids
 
     def _init_sequence(self, seq: Sequence):
@@ -353,3 +366,13 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              request.prompt_logprobs, outputs, finished)
+
+
+def _as_token_id(t):
+    """t as a Python int if it is an integer of any kind (not a bool or float), else None."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None

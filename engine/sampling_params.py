@@ -55,8 +55,8 @@ class SamplingParams:
             bad("min_p", self.min_p, "in [0, 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "None or an int >= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", self.seed, "None or an int")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            bad("seed", self.seed, "None or an int in [0, 2**63)")
 
         stop = self.stop
         if stop is None:

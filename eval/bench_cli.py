@@ -91,6 +91,9 @@ def run_bench(args) -> int:
     for b in benches:
         if b not in ALL_BENCHES:
             raise ValueError(f"unknown benchmark {b!r}; known: {ALL_BENCHES}")
+    from eightbit.engine.dummy import check_model_shape
+
+    check_model_shape(args.model)
     run_system(args, benches)
     render(args.out, benches)
     return 0

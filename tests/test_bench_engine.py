@@ -112,3 +112,13 @@ def test_cli_run_and_summary(tmp_path, capsys):
     cap = {r["config"]: r for r in summary["capacity"]}  # same KV budget (0.01 GiB) each way
     assert cap["w8a8 + int8 KV"]["kv_bytes_per_token"] == 272 and cap["w8a8 + bf16 KV"]["kv_bytes_per_token"] == 512
     assert cap["w8a8 + int8 KV"]["vs_bf16_kv"] == pytest.approx(512 / 272, rel=1e-3)
+
+
+def test_cli_rejects_an_unknown_model_shape_before_anything_runs(tmp_path, capsys):
+    from eightbit.cli import main
+
+    out = tmp_path / "out"
+    assert main(["bench", "latency", "--model", "lama-3-8b", "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "got 'lama-3-8b'" in err and "'llama-3-8b'" in err  # the typo, and the shapes there are
+    assert not out.exists()

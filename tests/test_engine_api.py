@@ -66,8 +66,8 @@ def test_stop_token_ids_and_length(llm):
     ("", "empty"),
     ([], "no prompts"),
     ([[]], "empty"),
-    ([[1, 2, 10**6]], "outside the vocabulary"),
-    ([[1, -3]], "outside the vocabulary"),
+    ([[1, 2, 10**6]], "in the vocabulary"),
+    ([[1, -3]], "in the vocabulary"),
 ])
 def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, bad, message):
     engine = llm.engine
@@ -88,13 +88,117 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("field, value, message", [("block_size", 12, "power of two"), ("block_size", 0, "positive"),
-                                                   ("max_num_seqs", 0, "positive")])
+@pytest.mark.parametrize("field, value, message", [
+    ("block_size", 12, "power of two"), ("block_size", 0, "positive"), ("max_num_seqs", 0, "positive"),
+    ("max_num_batched_tokens", 2.5, "positive"), ("dtype", "int8", "one of"), ("kv_cache_dtype", "fp8", "one of"),
+    ("quantization", "w4a16", "one of"), ("load_format", "pt", "one of"), ("max_model_len", 0, "positive"),
+    ("num_kv_blocks", -1, "positive"), ("kv_group_size", 0, "positive"), ("gpu_memory_utilization", 1.5, r"\(0, 1\]"),
+    ("kv_cache_memory_gb", 0, "positive"), ("device", "tpu", "'cpu', 'cuda' or 'cuda:N'"),
+    ("kv_group_size", 16, "int8 KV cache only"),
+])
 def test_invalid_engine_config_names_the_field(field, value, message):
+    """Checked on construction, before any model is loaded."""
     from eightbit.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match=f"{field}.*{message}"):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gives")
+def test_cuda_device_without_a_gpu_is_a_clear_error():
+    from eightbit.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        EngineConfig(device="cuda")
+
+
+def _assert_idle(engine):
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(logprobs=10**6, max_tokens=1), "logprobs=1000000 exceeds the vocabulary size"),
+    (SamplingParams(prompt_logprobs=10**6, max_tokens=1), "prompt_logprobs=1000000 exceeds"),
+])
+def test_too_many_logprobs_raise_before_running_and_the_llm_stays_usable(llm, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["Hi"], params, use_tqdm=False)
+    _assert_idle(llm.engine)
+    assert len(llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ([0], ValueError, "got 1 priorities for 3 prompts"),
+    ("high", TypeError, "priorities: expected one value"),
+    ([0, 1.5, 0], TypeError, "priority must be an int"),
+])
+def test_bad_priorities_raise_before_running(llm, bad, error, message):
+    with pytest.raises(error, match=message):
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=2), use_tqdm=False, priority=bad)
+    _assert_idle(llm.engine)
+
+
+def test_one_priority_applies_to_every_prompt(llm):
+    outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, priority=3)
+    assert len(outs) == 3 and all(len(o.outputs[0].token_ids) == 2 for o in outs)
+
+
+def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
+    """Ctrl-C (or any error) in the middle of a call: its requests go, the next call runs alone."""
+    engine = llm.engine
+    step, calls = engine.step, []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=50), use_tqdm=False)
+    monkeypatch.undo()
+    _assert_idle(engine)
+    streamed = [i for i, _ in llm.stream(PROMPTS[3], SamplingParams(temperature=0, max_tokens=3))]
+    assert streamed == [0, 0, 0]
+
+
+def test_numpy_and_torch_token_ids_are_prompts_like_ints(llm):
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = llm.get_tokenizer()(PROMPTS[1]).input_ids
+    want = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    for other in (np.array(ids), torch.tensor(ids)):
+        assert llm.generate([list(other)], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match=r"integers in the vocabulary.*\[1.5\]"):
+        llm.generate([[1, 1.5]], use_tqdm=False)
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ({"prompt": "Hi"}, TypeError, "expected one value or a list"),  # sampling params as a dict
+])
+def test_sampling_params_of_the_wrong_type_are_named(llm, bad, error, message):
+    with pytest.raises(error, match=message):
+        llm.generate(["Hi"], bad, use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ((p for p in PROMPTS), "got generator"),
+    (42, "got int"),
+])
+def test_prompts_of_the_wrong_type_are_named(llm, prompts, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, use_tqdm=False)
+
+
+@pytest.mark.parametrize("messages", [[{"content": "Hi"}], [{"role": "user"}], [[]], ["Hi"]])
+def test_chat_messages_without_role_or_content_are_a_clear_error(llm, messages):
+    with pytest.raises(ValueError, match="role|conversation"):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    _assert_idle(llm.engine)
 
 
 def test_abort_frees_blocks_at_once(llm):
@@ -128,11 +232,13 @@ def test_int8_paths_stay_close_to_float(make_llm, llm):
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     ref = torch.tensor([e[t] for e, t in zip(llm.generate([ids], params, use_tqdm=False)[0].prompt_logprobs[1:],
                                               ids[1:])])
-    for options in (dict(kv_cache_dtype="int8"), dict(quantization="w8a8", kv_cache_dtype="int8")):
+    # bounds ~2x the measured mean |difference| (0.013 and 0.116 nats): a KV quantizer that truncates instead
+    # of rounding gives 0.029 with the int8 cache alone
+    for options, bound in ((dict(kv_cache_dtype="int8"), 0.025), (dict(quantization="w8a8", kv_cache_dtype="int8"), 0.15)):
         int8 = make_llm(**options)
         lps = int8.generate([ids], params, use_tqdm=False)[0].prompt_logprobs[1:]
         got = torch.tensor([e[t] for e, t in zip(lps, ids[1:])])
-        assert (got - ref).abs().mean() < 0.15, options
+        assert (got - ref).abs().mean() < bound, options
         assert not torch.equal(got, ref), "the int8 path must actually run"
 
 
@@ -154,3 +260,19 @@ def test_cli_reports_bad_input_without_a_traceback(capsys):
                      "--model", "/nonexistent/dir", "hi"])
     assert code == 2
     assert "no such model path" in capsys.readouterr().err
+
+
+def test_cli_checks_every_prompt_before_generating_any(capsys):
+    code = cli_main(["generate", "--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
+                     "--max-tokens", "4", "Hello", ""])
+    out, err = capsys.readouterr()
+    assert code == 2 and "prompt is empty" in err
+    assert out == ""  # the first prompt did not run either
+
+
+def test_cli_rejects_a_device_this_machine_lacks_before_loading(capsys, monkeypatch):
+    import eightbit.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
+    assert cli_main(["generate", "--device", "tpu", "hi"]) == 2
+    assert "'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def test_greedy_and_normalization():
     ("top_k", -2), ("top_k", 2.0),
     ("min_p", -0.01), ("min_p", 1.5),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0),
-    ("seed", 1.0), ("seed", "7"),
+    ("seed", 1.0), ("seed", "7"), ("seed", -1), ("seed", 2**63),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 3),
     ("stop_token_ids", [1, "2"]), ("stop_token_ids", 5), ("stop_token_ids", [-1]),
     ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", -2),

@@ -440,3 +440,19 @@ def test_engine_loop_thread_does_the_engine_work(server):
     names = {t.name for t in threading.enumerate()}
     assert "eightbit-engine-loop" in names
     assert any(n.startswith("eightbit-tokenizer") for n in names)
+
+
+@pytest.mark.parametrize("port, message", [(99999, "must be in"), (None, "cannot listen")])
+def test_serve_rejects_a_port_it_cannot_listen_on_before_loading(port, message, capsys, monkeypatch):
+    import socket
+
+    import eightbit.engine.llm_engine as llm_engine
+    from eightbit.cli import main as cli_main
+
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
+    with socket.socket() as taken:  # a port in use (listening) when port is None
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = port or taken.getsockname()[1]
+        assert cli_main(["serve", "--device", "cpu", "--port", str(port)]) == 2
+    assert message in capsys.readouterr().err

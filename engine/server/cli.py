@@ -78,6 +78,19 @@ def default_model_name(model) -> str:
     return EMBEDDED_MODEL_NAME if model is None else str(model)
 
 
+def check_address(host, port):
+    """Raise ValueError unless this process could listen on host:port now."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2):
     """(AsyncEngine started, FastAPI app) around an LLMEngine."""
     from eightbit.engine.server.api import build_app
@@ -94,6 +107,7 @@ def run_serve(args) -> int:
     from eightbit.engine.llm_engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_address(args.host, args.port)  # before the model loads, not after
     engine = LLMEngine(EngineConfig(model=args.model, **serve_engine_options(args)))
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
     try:
