@@ -35,6 +35,7 @@ def add_eval_parser(subparsers):
         q.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="engine KV-cache size")
         q.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON, markdown table and PNG chart")
         q.add_argument("--no-progress", action="store_true", help="no progress bars")
+        q.add_argument("--overwrite", action="store_true", help="replace an earlier run's results in --out")
 
     q = sub.add_parser("ppl", help="WikiText-2 (raw, test) perplexity over non-overlapping windows")
     common(q)
@@ -107,12 +108,25 @@ def _error_row(config, error) -> dict:
             "description": config.description, "error": error}
 
 
+def _check_args(args, stem, positive):
+    """Fail before any loading: numbers out of range, or an earlier run's results that this run would replace."""
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    taken = [p.name for p in (Path(args.out) / f"{stem}{ext}" for ext in (".json", ".md", ".png")) if p.exists()]
+    if taken and not args.overwrite:
+        raise ValueError(f"{args.out} already holds an earlier run's results ({', '.join(taken)}): "
+                         f"pass --overwrite to replace them, or another --out")
+
+
 def run_ppl(args) -> int:
     from eightbit.eval import report
     from eightbit.eval.configs import load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
     from eightbit.engine.weights import open_checkpoint
 
+    _check_args(args, "ppl", ("windows", "window_size"))
     configs = parse_configs(args.configs)
     data_dir = resolve_data_dir(args.data_dir)
     text = wikitext_text(data_dir)
@@ -157,6 +171,7 @@ def run_tasks(args) -> int:
     from eightbit.eval.configs import load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.tasks import TASKS, evaluate_task, load_task
 
+    _check_args(args, "tasks", ("limit", "max_model_len"))
     configs = parse_configs(args.configs)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]

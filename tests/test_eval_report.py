@@ -87,3 +87,18 @@ def test_eval_cli_ppl_end_to_end(tmp_path, capsys):
     assert payload["meta"]["windows"] == 1 and payload["meta"]["window"] == 48
     assert (tmp_path / "ppl.png").is_file() and "| fp32 | engine |" in (tmp_path / "ppl.md").read_text()
     assert "WikiText-2 raw test, 1/" in capsys.readouterr().out
+
+
+def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, monkeypatch):
+    import eightbit.eval.configs as configs
+    from eightbit.eval.cli import main
+
+    monkeypatch.setattr(configs, "load_tokenizer", lambda *a: pytest.fail("nothing may load"))
+    (tmp_path / "ppl.json").write_text("an earlier run")
+    assert main(["ppl", "--configs", "fp32", "--out", str(tmp_path)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "ppl.json").read_text() == "an earlier run"
+    assert main(["ppl", "--configs", "fp32", "--windows", "0", "--out", str(tmp_path / "new")]) == 2
+    assert "--windows must be >= 1" in capsys.readouterr().err
+    assert main(["tasks", "--configs", "fp32", "--limit", "0", "--out", str(tmp_path / "new")]) == 2
+    assert "--limit must be >= 1" in capsys.readouterr().err
