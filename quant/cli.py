@@ -50,7 +50,7 @@ def quantize(
     from eightbit.calibrate.data import default_calibration_source, load_calibration_text, make_windows
     from eightbit.engine.weights import CheckpointError, open_checkpoint
     from eightbit.quant.convert import convert
-    from eightbit.quant.hf_layers import check_supported
+    from eightbit.quant.hf_layers import check_source
     from eightbit.quant.schemes import KVCacheScheme, head_dim
     from eightbit.quant.writer import check_output_path
 
@@ -58,21 +58,18 @@ def quantize(
         raise QuantizeError("no output directory given")
     out = Path(out)
     alpha = _parse_alpha(alpha)
+    _check_sizes(src, num_samples, seq_len, kv_group_size)
     check_output_path(out, overwrite)
     device = _resolve_device(device)
-    try:
-        kv = KVCacheScheme(group_size=kv_group_size)
-    except ValueError as e:
-        raise QuantizeError(str(e)) from e
     source = calib_data if calib_data is not None else default_calibration_source()
     text = load_calibration_text(str(source))  # before the (slow) model: fail fast on bad data
     try:
         checkpoint = open_checkpoint(src)
     except CheckpointError as e:
         raise QuantizeError(str(e)) from e
-    check_supported(checkpoint.config)
+    check_source(checkpoint)
     try:
-        kv.check_head_dim(head_dim(checkpoint.config))
+        KVCacheScheme(group_size=kv_group_size).check_head_dim(head_dim(checkpoint.config))
     except ValueError as e:
         raise QuantizeError(str(e)) from e
     try:
@@ -84,6 +81,39 @@ def quantize(
         checkpoint, out, calibration, alpha=alpha, kv_group_size=kv_group_size, overwrite=overwrite,
         progress=progress, tokenizer=tokenizer, device=device, **convert_options,
     )
+
+
+def _check_sizes(src, num_samples, seq_len, kv_group_size) -> None:
+    """The numeric options, checked before the model loads (a GGUF's weights take ~20 s)."""
+    from eightbit.quant.schemes import KV_GROUP_SIZES, KVCacheScheme, head_dim
+
+    if num_samples < 1 or seq_len < 2:
+        raise QuantizeError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples} and {seq_len}")
+    try:
+        kv = KVCacheScheme(group_size=kv_group_size)
+        if kv_group_size not in KV_GROUP_SIZES:  # it can only be head_dim: read that from the config alone
+            config = _config_only(src)
+            if config is not None:
+                kv.check_head_dim(head_dim(config))
+    except ValueError as e:
+        raise QuantizeError(str(e)) from e
+
+
+def _config_only(src):
+    """The source's config read without its weights, or None where open_checkpoint will say what is wrong."""
+    from transformers import AutoConfig
+
+    from eightbit.engine.weights import embedded_model_path
+
+    try:
+        path = embedded_model_path() if src is None else Path(src)
+        if path.is_file() and path.suffix == ".gguf":
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        if (path / "config.json").is_file():
+            return AutoConfig.from_pretrained(path)
+    except Exception:
+        pass
+    return None
 
 
 def _resolve_device(device):
@@ -105,7 +135,12 @@ Quantize a Llama-family model (llama, mistral without sliding window, qwen2) to 
 checkpoint in the compressed-tensors format (vLLM reads it too): Linear weights int8 per output
 channel, activations int8 per token at run time, SmoothQuant folded into norms and weights,
 and eightbit's int8 KV-cache scheme recorded in config.json. Runs layer by layer, so models
-larger than RAM convert. OUT is written atomically: a failed run leaves nothing.
+larger than RAM convert. OUT is written atomically: a failed or interrupted run (Ctrl-C,
+SIGTERM) leaves nothing.
+
+  eightbit quantize SRC OUT    quantize SRC into OUT
+  eightbit quantize OUT        quantize the embedded SmolLM2-135M-Instruct into OUT (one path is
+                               always OUT, even if it exists; rerun with --overwrite to replace it)
 """
 
 CALIB_HELP = """calibration text: a local text file, or hf:NAME[:CONFIG][:SPLIT] for a `datasets`
@@ -118,10 +153,11 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("quantize", help="quantize a model to int8 W8A8", description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", nargs="?", default=None, metavar="SRC",
-                   help="HF checkpoint directory or .gguf file (omitted: the embedded SmolLM2-135M-Instruct, "
-                   "as in `eightbit quantize OUT`)")
+                   help="HF checkpoint directory or .gguf file (omitted: the embedded SmolLM2-135M-Instruct; "
+                   "with one path, that path is always OUT)")
     p.add_argument("out", nargs="?", default=None, metavar="OUT",
-                   help="output directory (must not exist unless --overwrite)")
+                   help="output directory: must not exist, or with --overwrite be empty or an earlier "
+                   "`eightbit quantize` output")
     p.add_argument("--calib-data", default=None, help=CALIB_HELP)
     p.add_argument("--num-samples", type=int, default=DEFAULT_NUM_SAMPLES,
                    help=f"calibration windows (default {DEFAULT_NUM_SAMPLES})")
@@ -135,7 +171,9 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                    f"(default {DEFAULT_KV_GROUP_SIZE})")
     p.add_argument("--device", default="auto",
                    help="where calibration runs: 'auto' (a CUDA GPU if present, else the CPU), 'cpu', 'cuda', 'cuda:1'")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is an empty folder or an eightbit checkpoint (config.json with "
+                   "eightbit's quantization_config, and only checkpoint files); anything else is refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_quantize)
     return p
@@ -144,14 +182,15 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
 def run_quantize(args) -> int:
     """Run a parsed `quantize` command. Returns the exit status (0, or 2 on a QuantizeError)."""
     src, out = args.src, args.out
-    if out is None and src is not None:
-        if Path(src).exists():
-            print(f"error: missing OUT: {src} exists, so it is taken as SRC", file=sys.stderr)
-            return 2
-        src, out = None, src  # `eightbit quantize OUT`: the embedded model
-    if out is None:
+    if src is None:
         print("error: missing OUT", file=sys.stderr)
         return 2
+    if out is None:  # one path is always OUT, the embedded model quantized into it
+        src, out = None, src
+        if Path(out).exists() and not args.overwrite:
+            print(f"error: {out} already exists: pass --overwrite to replace it (one path is OUT, for the "
+                  f"embedded model; to quantize {out}, give SRC and OUT)", file=sys.stderr)
+            return 2
     try:
         summary = quantize(
             src, out, calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,

@@ -16,6 +16,24 @@ from eightbit.quant.errors import QuantizeError
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
+def already_quantized(path, why: str) -> QuantizeError:
+    return QuantizeError(f"{path} is already quantized ({why}); pass the float checkpoint it came from")
+
+
+def check_source(checkpoint) -> None:
+    """Raise QuantizeError unless the checkpoint is a float model of a family eightbit quantizes."""
+    qc = getattr(checkpoint.config, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        raise already_quantized(checkpoint.path, f"its config has a quantization_config, quant_method {method!r}")
+    check_supported(checkpoint.config)
+    name = "model.layers.0.self_attn.q_proj.weight"  # one Linear tells: they are quantized alike
+    if name in checkpoint.tensor_names():
+        dtype = checkpoint.get_tensor(name).dtype
+        if not dtype.is_floating_point:
+            raise already_quantized(checkpoint.path, f"tensor {name!r} is {dtype}")
+
+
 def check_supported(config) -> None:
     """Raise QuantizeError unless the config is a Llama-architecture model eightbit runs."""
     mt = getattr(config, "model_type", None)
@@ -43,7 +61,7 @@ class DecoderLayers:
     def __init__(self, checkpoint, device="cpu"):
         from transformers import AutoModelForCausalLM
 
-        check_supported(checkpoint.config)
+        check_source(checkpoint)
         self.checkpoint = checkpoint
         self.device = torch.device(device)
         config = copy.deepcopy(checkpoint.config)
@@ -71,6 +89,8 @@ class DecoderLayers:
                 t = self.checkpoint.get_tensor(full)
             except KeyError as e:
                 raise QuantizeError(f"the checkpoint has no tensor {full!r}") from e
+            if not t.is_floating_point():  # int8 read as float32 would be garbage
+                raise already_quantized(self.checkpoint.path, f"tensor {full!r} is {t.dtype}")
             if tuple(t.shape) != tuple(p.shape):
                 raise QuantizeError(f"tensor {full!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
             # a copy: checkpoint tensors may be copy-on-write views of an mmapped file, and

@@ -1,8 +1,10 @@
 """Writing a checkpoint directory atomically, tensors streamed into ~2 GB safetensors shards.
 
 `atomic_output_dir(out, overwrite)` yields a fresh temp dir beside `out`; only when the
-block finishes is it renamed to `out` (replacing an old `out` if overwrite). Any exception,
-KeyboardInterrupt included, removes the temp dir, so a failed run leaves nothing behind.
+block finishes is it given the umask's permissions and renamed to `out` (replacing an old `out`
+if overwrite, which must be empty or an eightbit checkpoint: see `check_output_path`). Any
+exception, KeyboardInterrupt and SIGTERM included, removes the temp dir, so a failed run leaves
+nothing behind.
 `ShardWriter` writes tensors in the order given, flushing a shard when it would pass the size
 limit, and names them as transformers does (model.safetensors, or model-0000k-of-0000n with
 model.safetensors.index.json).
@@ -10,27 +12,92 @@ model.safetensors.index.json).
 
 import json
 import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from eightbit.quant.checkpoint_format import EIGHTBIT_KEY
 from eightbit.quant.errors import QuantizeError
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
+# the files a checkpoint of ours consists of (the tokenizer's vary with its kind)
+CHECKPOINT_FILES = {
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+}
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
 
 def check_output_path(out: Path, overwrite: bool) -> None:
+    """Raise QuantizeError unless `out` may be written: new, or (with overwrite) replaceable."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise QuantizeError(f"{out} already exists: pass --overwrite to replace it")
     if out.exists() and not out.is_dir():
         raise QuantizeError(f"{out} exists and is not a directory")
+    if out.exists():
+        _check_replaceable(out)
     if not out.parent.is_dir():
         raise QuantizeError(f"the parent folder of {out} does not exist")
+
+
+def _check_replaceable(out: Path) -> None:
+    """--overwrite replaces only an empty directory or an eightbit checkpoint: config.json with
+    eightbit's quantization_config, and nothing but checkpoint files."""
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return
+    others = [n for n in names if not (n in CHECKPOINT_FILES or SHARD_NAME.fullmatch(n)) or (out / n).is_dir()]
+    if others:
+        raise QuantizeError(f"refusing to replace {out}: it holds {', '.join(others[:5])}, which no eightbit "
+                            "checkpoint has; --overwrite replaces only an empty folder or an earlier output")
+    try:
+        qc = json.loads((out / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        qc = None
+    if not (isinstance(qc, dict) and EIGHTBIT_KEY in qc):
+        raise QuantizeError(f"refusing to replace {out}: it is not a checkpoint eightbit quantize wrote "
+                            "(no eightbit quantization_config in config.json)")
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the temp dir is removed
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """While the block runs, SIGTERM raises SystemExit(143) instead of killing the process outright.
+
+    Only where SIGTERM has its default action (a handler of the caller's, or SIG_IGN, is left
+    alone) and in the main thread (the only one that may set handlers)."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _apply_umask(folder: Path) -> None:
+    """mkdtemp makes 0700 and safetensors 0600: give the folder and its files the umask's modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for p in folder.iterdir():
+        if p.is_file():
+            os.chmod(p, 0o666 & ~umask)
 
 
 @contextmanager
@@ -39,7 +106,9 @@ def atomic_output_dir(out, overwrite: bool = False):
     check_output_path(out, overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        yield tmp
+        with _sigterm_unwinds():
+            yield tmp
+        _apply_umask(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.rename(out, old / out.name)

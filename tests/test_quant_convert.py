@@ -1,6 +1,12 @@
 """End-to-end conversion of tiny random checkpoints: layout, exactness, atomicity, bad input."""
 
 import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -189,16 +195,150 @@ def test_other_family_members(tmp_path, tokenizer, calib, model_type, overrides)
 # --- atomicity and bad input ------------------------------------------------------------
 
 
-def test_existing_output_is_refused_then_replaced_with_overwrite(src, calib, tmp_path):
+def tree(folder):
+    """{relative path: bytes} of every file under folder."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_existing_output_is_refused_then_replaced_with_overwrite(converted, src, calib, tmp_path):
     out = tmp_path / "q"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    shutil.copytree(converted[0], out)
+    before = tree(out)
     with pytest.raises(QuantizeError, match="already exists.*--overwrite"):
         run(src, out, calib)
-    assert (out / "keep.txt").read_text() == "mine"
-    run(src, out, calib, overwrite=True, num_samples=2, seq_len=32)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert tree(out) == before
+    run(src, out, calib, overwrite=True, num_samples=2, seq_len=32)  # an earlier output is replaced
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
     assert leftovers(tmp_path, "q") == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run(src, empty, calib, overwrite=True, num_samples=2, seq_len=32)  # so is an empty folder
+    assert (empty / "config.json").is_file()
+
+
+def test_overwrite_refuses_a_folder_that_is_not_an_earlier_output(monkeypatch, converted, src, calib, tmp_path):
+    monkeypatch.setattr(convert_module, "convert", lambda *a, **k: pytest.fail("conversion started"))
+    user = tmp_path / "userdir"
+    (user / "sub").mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    (user / "sub" / "data.txt").write_text("mine too")
+    with pytest.raises(QuantizeError, match="refusing to replace .*userdir.*notes.txt, sub"):
+        run(src, user, calib, overwrite=True)
+    assert tree(user) == {"notes.txt": b"mine", "sub/data.txt": b"mine too"}
+    stray = tmp_path / "stray"  # an earlier output with a file of the user's in it
+    shutil.copytree(converted[0], stray)
+    (stray / "notes.txt").write_text("mine")
+    with pytest.raises(QuantizeError, match="refusing to replace .*notes.txt"):
+        run(src, stray, calib, overwrite=True)
+    assert (stray / "notes.txt").is_file()
+    float_copy = tmp_path / "float"  # a float HF checkpoint: checkpoint files, but not ours
+    shutil.copytree(src, float_copy)
+    before = tree(float_copy)
+    with pytest.raises(QuantizeError, match="not a checkpoint eightbit quantize wrote"):
+        run(src, float_copy, calib, overwrite=True)
+    assert tree(float_copy) == before
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_output_gets_the_umask_permissions(src, calib, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        run(src, tmp_path / "q", calib, num_samples=2, seq_len=32, max_shard_bytes=60_000)
+        os.umask(0o027)
+        run(src, tmp_path / "q2", calib, num_samples=2, seq_len=32)
+    finally:
+        os.umask(previous)
+    for out, dir_mode, file_mode in ((tmp_path / "q", 0o755, 0o644), (tmp_path / "q2", 0o750, 0o640)):
+        assert stat.S_IMODE(out.stat().st_mode) == dir_mode
+        files = list(out.iterdir())
+        assert any(f.suffix == ".safetensors" for f in files)
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: file_mode for f in files}
+
+
+SIGTERM_CHILD = """
+import sys, time
+from eightbit.quant.writer import atomic_output_dir
+with atomic_output_dir(sys.argv[1]) as tmp:
+    (tmp / "model.safetensors").write_text("partial")
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_sigterm_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "q"
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        assert len(leftovers(tmp_path, "q")) == 1  # the partial temp dir
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        child.kill()
+        child.stdout.close()
+    assert leftovers(tmp_path, "q") == [] and not out.exists()
+
+
+def test_sigterm_handler_is_set_only_during_the_run(tmp_path):
+    from eightbit.quant import writer
+
+    def callers(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with writer.atomic_output_dir(tmp_path / "q"):
+            assert signal.getsignal(signal.SIGTERM) is writer._raise_on_sigterm
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        signal.signal(signal.SIGTERM, callers)
+        with writer.atomic_output_dir(tmp_path / "q2"):  # a handler of the caller's is left alone
+            assert signal.getsignal(signal.SIGTERM) is callers
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(SystemExit) as e:
+        writer._raise_on_sigterm(signal.SIGTERM, None)
+    assert e.value.code == 143
+
+
+# --- already-quantized sources -----------------------------------------------------------
+
+
+def test_an_already_quantized_source_is_refused_before_any_work(monkeypatch, converted, calib, tmp_path):
+    monkeypatch.setattr(convert_module, "convert", lambda *a, **k: pytest.fail("conversion started"))
+    q1 = converted[0]
+    with pytest.raises(QuantizeError, match=r"q is already quantized \(its config has a quantization_config, "
+                       r"quant_method 'compressed-tensors'\); pass the float checkpoint it came from"):
+        run(q1, tmp_path / "q2", calib)
+    stripped = tmp_path / "stripped"  # int8 weights, but the config says nothing
+    shutil.copytree(q1, stripped)
+    cfg = json.loads((stripped / "config.json").read_text())
+    del cfg["quantization_config"]
+    (stripped / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantizeError, match=r"already quantized \(tensor 'model.layers.0.self_attn.q_proj.weight' "
+                       r"is torch.int8\)"):
+        run(stripped, tmp_path / "q2", calib)
+    assert not (tmp_path / "q2").exists() and leftovers(tmp_path, "q2") == []
+
+
+def test_an_integer_weight_in_a_later_layer_is_refused(tmp_path, tokenizer, calib):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=tokenizer, num_hidden_layers=2, max_shard_size="10MB")
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].round().to(torch.int8)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantizeError, match=f"already quantized \\(tensor '{name}' is torch.int8\\)"):
+        run(src, tmp_path / "q", calib, num_samples=2, seq_len=32)
+    assert not (tmp_path / "q").exists() and leftovers(tmp_path, "q") == []
+
+
+def test_eval_gets_the_same_error_for_an_already_quantized_model(monkeypatch, converted, calib, tmp_path):
+    from eightbit.eval.configs import ensure_sq_checkpoint
+
+    monkeypatch.setenv("EIGHTBIT_CALIB_DATA", calib)
+    with pytest.raises(QuantizeError, match="is already quantized .*pass the float checkpoint it came from"):
+        ensure_sq_checkpoint(tmp_path / "sq", model=converted[0], progress=False)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_nan_in_a_middle_layer_leaves_nothing(tmp_path, tokenizer, calib):
@@ -216,10 +356,10 @@ def test_nan_in_a_middle_layer_leaves_nothing(tmp_path, tokenizer, calib):
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
-def test_failure_mid_way_leaves_nothing_and_keeps_an_old_output(monkeypatch, src, calib, tmp_path, exc):
+def test_failure_mid_way_leaves_nothing_and_keeps_an_old_output(monkeypatch, converted, src, calib, tmp_path, exc):
     out = tmp_path / "q"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    shutil.copytree(converted[0], out)
+    before = tree(out)
     real = convert_module._write_layer
     calls = []
 
@@ -233,7 +373,7 @@ def test_failure_mid_way_leaves_nothing_and_keeps_an_old_output(monkeypatch, src
     with pytest.raises(type(exc)):
         run(src, out, calib, overwrite=True, num_samples=2, seq_len=32)
     assert calls == ["model.layers.0.", "model.layers.1."]
-    assert sorted(p.name for p in out.iterdir()) == ["old.txt"]
+    assert tree(out) == before
     assert leftovers(tmp_path, "q") == []
 
 
@@ -259,8 +399,6 @@ def test_missing_source(tmp_path, calib):
 
 
 def test_corrupt_source(tmp_path, src, calib):
-    import shutil
-
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     shard = sorted(bad.glob("*.safetensors"))[0]
