@@ -68,7 +68,7 @@ def load_weights(model, named_tensors):
     """Copy (checkpoint name, tensor) pairs into the model; every parameter must be filled exactly once."""
     modules = dict(model.named_modules())
     expected = {name for name, _ in model.named_parameters()}
-    loaded = set()
+    loaded = {}  # parameter (or "parameter#shard") -> the checkpoint tensor that filled it
     for name, tensor in named_tensors:
         if _IGNORED.search(name) or (name == "lm_head.weight" and model.tie_word_embeddings):
             continue
@@ -81,24 +81,36 @@ def load_weights(model, named_tensors):
         module = modules.get(module_name)
         if module is None or not hasattr(module, param_name):
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        if hasattr(module, "load"):
-            module.load(param_name, tensor, shard_id)
-        else:
-            _copy(getattr(module, param_name), tensor, name)
-        loaded.add(f"{module_name}.{param_name}" + ("" if shard_id is None else f"#{shard_id}"))
-    missing = [p for p in expected if p not in loaded and not _all_shards_loaded(model, p, loaded)]
+        slot = f"{module_name}.{param_name}" + ("" if shard_id is None else f"#{shard_id}")
+        if slot in loaded:
+            raise ValueError(f"checkpoint tensor {name!r} appears twice (or also as {loaded[slot]!r})")
+        try:
+            if hasattr(module, "load"):
+                module.load(param_name, tensor, shard_id)
+            else:
+                _copy(getattr(module, param_name), tensor)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        loaded[slot] = name
+    missing = [m for p in sorted(expected) for m in _missing(model, p, loaded)]
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-def _all_shards_loaded(model, param, loaded):
+def _missing(model, param, loaded):
+    """The checkpoint names of what `param` still lacks: itself, or the shards of a fused parameter."""
+    if param in loaded:
+        return []
     module_name, _, param_name = param.rpartition(".")
-    module = model.get_submodule(module_name)
-    shards = getattr(module, "shard_offsets", None)
-    return bool(shards) and all(f"{param}#{s}" in loaded for s in shards)
+    shards = getattr(model.get_submodule(module_name), "shard_offsets", None)
+    if not shards:
+        return [param]
+    parent, _, fused = module_name.rpartition(".")
+    leaf = {(f, s): name for name, (f, s) in PACKED_MODULES.items()}
+    return [f"{parent}.{leaf[fused, s]}.{param_name}" for s in shards if f"{param}#{s}" not in loaded]
 
 
-def _copy(param, tensor, name):
+def _copy(param, tensor):
     if tensor.shape != param.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
     param.data.copy_(tensor)

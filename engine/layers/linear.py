@@ -57,7 +57,8 @@ class Linear(nn.Module):
         if shard_id is not None:
             offset, size = self.shard_offsets[shard_id]
             param = param.data.narrow(0, offset, size)
-        tensor = tensor.reshape(param.shape) if param_name == "weight_scale" else tensor
+        if param_name == "weight_scale" and tensor.dim() == 1:  # [N] and [N, 1] both occur
+            tensor = tensor.unsqueeze(1)
         if tensor.shape != param.shape:
             raise ValueError(f"{param_name}{'' if shard_id is None else f'[{shard_id}]'}: checkpoint shape "
                              f"{tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")

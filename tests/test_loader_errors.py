@@ -1,0 +1,126 @@
+"""Checkpoint tensors streamed into the engine's model (engine/loader.py, engine/layers/linear.py): a whole checkpoint
+fills every parameter and shard; a stray, missing, misshapen or wrongly typed tensor is refused by name."""
+
+import re
+
+import pytest
+import torch
+
+from eightbit.engine.loader import build_model, load_weights
+from eightbit.quant.int8 import quantize_per_channel
+from eightbit.quant.testing import tiny_config
+
+CONFIG = tiny_config(num_hidden_layers=1)  # hidden 64, q 128 / k, v 64 rows, intermediate 128, vocab 320
+
+
+@pytest.fixture(scope="module")
+def hf_state():
+    """HF transformers' own Llama of that config: the names and shapes a real checkpoint holds."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG).state_dict()
+
+
+def checkpoint(hf_state, quantized=False, drop=(), replace=None):
+    """(name, tensor) pairs: HF's float tensors, or eightbit's int8 format (each linear's int8 weight and float32
+    [out, 1] weight_scale); without the names in drop, with the tensors in replace swapped in."""
+    named = []
+    for name, t in hf_state.items():
+        if quantized and name.endswith("_proj.weight"):
+            q, scale = quantize_per_channel(t)
+            named += [(name, q), (name + "_scale", scale)]
+        else:
+            named.append((name, t))
+    replace = replace or {}
+    return [(n, replace.get(n, t)) for n, t in named if n not in drop]
+
+
+def load(named, quantized=False):
+    model = build_model(CONFIG, quantized, torch.float32, "cpu")
+    load_weights(model, named)
+    return model
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "w8a8"])
+def test_a_whole_checkpoint_fills_every_shard(hf_state, quantized):
+    model = load(checkpoint(hf_state, quantized), quantized)
+    qkv = torch.cat([hf_state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    gate_up = torch.cat([hf_state[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    for fused, want in (("self_attn.qkv_proj", qkv), ("mlp.gate_up_proj", gate_up)):
+        got = model.get_parameter(f"model.layers.0.{fused}.weight")
+        if quantized:  # per output channel, so quantizing the shards one by one equals quantizing their rows together
+            want, scale = quantize_per_channel(want)
+            assert torch.equal(model.get_parameter(f"model.layers.0.{fused}.weight_scale"), scale)
+        assert torch.equal(got, want)
+    assert torch.equal(model.get_parameter("model.norm.weight"), hf_state["model.norm.weight"])
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_norm.weight",  # no such module
+                                  "model.layers.1.mlp.up_proj.weight",  # a layer this model does not have
+                                  "model.norm.bias"])  # a module without that parameter
+def test_a_tensor_with_no_place_in_the_model(hf_state, name):
+    with pytest.raises(ValueError, match=f"checkpoint tensor '{re.escape(name)}' has no place in the model"):
+        load(checkpoint(hf_state) + [(name, torch.zeros(64))])
+
+
+QKV_AND_NORM = ("model.layers.0.self_attn.k_proj.weight", "model.norm.weight")  # one shard leaves qkv_proj unfilled
+
+
+@pytest.mark.parametrize("quantized,drop,missing", [
+    (False, QKV_AND_NORM, list(QKV_AND_NORM)),  # the shard is named as the checkpoint names it
+    (True, QKV_AND_NORM, list(QKV_AND_NORM)),
+    (True, ["model.layers.0.mlp.down_proj.weight_scale"], ["model.layers.0.mlp.down_proj.weight_scale"]),
+], ids=["float", "w8a8", "w8a8-scale"])
+def test_a_checkpoint_lacking_tensors(hf_state, quantized, drop, missing):
+    with pytest.raises(ValueError, match=re.escape(f"lacks {len(missing)} tensor(s), e.g. {missing}")):
+        load(checkpoint(hf_state, quantized, drop=drop), quantized)
+
+
+def test_a_float_tensor_of_the_wrong_shape(hf_state):
+    with pytest.raises(ValueError, match=re.escape("tensor 'model.norm.weight': checkpoint shape (63,) != model shape (64,)")):
+        load(checkpoint(hf_state, replace={"model.norm.weight": torch.ones(63)}))
+    with pytest.raises(ValueError, match=re.escape("tensor 'model.embed_tokens.weight': checkpoint shape (64, 320) != model")):
+        load(checkpoint(hf_state, replace={"model.embed_tokens.weight": torch.zeros(64, 320)}))
+
+
+@pytest.mark.parametrize("param", ["bias", "weight_scale"])
+def test_a_linear_refuses_a_tensor_it_does_not_have(hf_state, param):
+    name = f"model.layers.0.self_attn.o_proj.{param}"  # a float linear without a bias
+    with pytest.raises(ValueError, match=f"tensor '{re.escape(name)}': unexpected tensor '{param}' for a float linear"):
+        load(checkpoint(hf_state) + [(name, torch.zeros(64, 1))])
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "w8a8"])
+@pytest.mark.parametrize("name,shape,shard", [("self_attn.k_proj.weight", (63, 64), "[k]"),
+                                              ("mlp.up_proj.weight", (128, 65), "[1]"),
+                                              ("self_attn.o_proj.weight", (64, 64), "")])
+def test_a_linear_refuses_a_shard_of_the_wrong_shape(hf_state, quantized, name, shape, shard):
+    name = "model.layers.0." + name
+    bad = torch.zeros(shape, dtype=torch.int8 if quantized else torch.float32)
+    model_shape = tuple(dict(checkpoint(hf_state))[name].shape)
+    with pytest.raises(ValueError, match=re.escape(f"tensor '{name}': weight{shard}: checkpoint shape {shape} does not "
+                                                   f"match the model's {model_shape}")):
+        load(checkpoint(hf_state, quantized, replace={name: bad}), quantized)
+
+
+def test_a_w8a8_linear_refuses_a_float_weight(hf_state):
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=f"tensor '{name}': W8A8 weight must be int8, the checkpoint has torch.float32"):
+        load(checkpoint(hf_state, True, replace={name: hf_state[name]}), quantized=True)
+
+
+@pytest.mark.parametrize("shape", [(63,), (1, 64), (64, 2)])
+def test_a_weight_scale_of_the_wrong_shape(hf_state, shape):
+    """[N] and [N, 1] are the two shapes a per-channel scale comes in; anything else is refused by name."""
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    with pytest.raises(ValueError, match=re.escape(f"tensor '{name}': weight_scale: checkpoint shape")):
+        load(checkpoint(hf_state, True, replace={name: torch.ones(shape)}), quantized=True)
+    flat = checkpoint(hf_state, True, replace={name: torch.full((64,), 0.5)})
+    assert torch.equal(load(flat, quantized=True).get_parameter(name), torch.full((64, 1), 0.5))
+
+
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.layers.0.self_attn.v_proj.weight"])
+def test_a_tensor_given_twice_is_refused(hf_state, name):
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{name}' appears twice")):
+        load(checkpoint(hf_state) + [(name, hf_state[name])])
