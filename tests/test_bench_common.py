@@ -34,7 +34,7 @@ def test_parse_range():
     assert parse_range("100:1024") == (100, 1024)
     assert parse_range("512") == (512, 512)
     assert parse_range((3, 4)) == (3, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bad length range '9:3'"):
         parse_range("9:3")
 
 

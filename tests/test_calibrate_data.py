@@ -1,5 +1,6 @@
 """Calibration text: sources, windows, and clear errors for bad data."""
 
+import copy
 import os
 from pathlib import Path
 
@@ -59,18 +60,32 @@ def test_datasets_source_from_a_local_folder(tmp_path):
         load_calibration_text("hf:")
 
 
-def test_windows_are_spread_and_start_with_bos(tokenizer):
+def _with_bos(tokenizer):
+    """The tiny tokenizer with a post-processor that puts <s> in front of text, as Llama's does."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_windows_are_spread_and_start_with_bos(tokenizer, adds_bos):
+    tok = _with_bos(tokenizer) if adds_bos else tokenizer
+    assert (tok("a")["input_ids"][0] == tok.bos_token_id == 1) == adds_bos  # the case this run is about
     ct = CalibrationText(tiny_text(300), "mem", "0" * 64)
-    ids = tokenizer(ct.text, add_special_tokens=False)["input_ids"]
-    cs = make_windows(ct, tokenizer, num_samples=5, seq_len=33)
+    ids = tok(ct.text, add_special_tokens=False)["input_ids"]
+    assert 1 not in ids
+    cs = make_windows(ct, tok, num_samples=5, seq_len=33)
     assert cs.input_ids.shape == (5, 33) and cs.input_ids.dtype == torch.long
     assert cs.text_tokens == len(ids)
-    bos = tokenizer.bos_token_id
-    if tokenizer("a")["input_ids"][0] == bos:
-        assert (cs.input_ids[:, 0] == bos).all()
+    if adds_bos:  # BOS, then a body of seq_len - 1 text tokens
+        assert (cs.input_ids[:, 0] == 1).all()
         body = cs.input_ids[:, 1:]
     else:
         body = cs.input_ids
+    assert body.shape[1] == 33 - adds_bos
     assert body[0].tolist() == ids[: body.shape[1]]  # first window at the start
     assert body[-1].tolist() == ids[len(ids) - body.shape[1]:]  # last window at the end
     assert cs.summary() == {"source": "mem", "sha256": "0" * 64, "text_tokens": len(ids), "num_samples": 5,

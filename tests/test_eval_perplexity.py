@@ -32,7 +32,7 @@ def test_make_windows_non_overlapping_with_tail():
     assert make_windows(ids, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert make_windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a 1-token tail scores nothing
     assert make_windows(ids, 4, limit=1) == [[0, 1, 2, 3]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="window must be at least 2 tokens, got 1"):
         make_windows(ids, 1)
 
 

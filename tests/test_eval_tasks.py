@@ -49,7 +49,7 @@ def test_stderr_and_paired_difference_by_hand():
     assert mean == 0.75 and se == pytest.approx(math.sqrt((3 * 0.0625 + 0.5625) / 3 / 4))
     d = paired_difference([1, 1, 0, 1], [1, 0, 0, 0])  # differences 0, 1, 0, 1
     assert d["diff"] == 0.5 and d["stderr"] == pytest.approx(math.sqrt(1 / 3 / 4))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="differ in length: 1 vs 2"):
         paired_difference([1], [1, 0])
 
 

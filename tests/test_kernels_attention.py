@@ -391,8 +391,12 @@ def test_decode_padded_slot_gives_zeros_and_default_signature(monkeypatch):
 def test_decode_first_split_call_launches_every_merge_chunk(monkeypatch):
     """The merge kernel's chunk fits the split count (4, 16 or 128 splits per step). The first split call of a
     shape launches every chunk (each computing the same output), so a later split count compiles nothing
-    mid-run; later calls launch their own chunk only. Every call still matches the reference."""
+    mid-run; later calls launch their own chunk only, with its launch options. Every call still matches the
+    reference."""
+    from eightbit.kernels import attention_configs as C
+
     assert [dmod.merge_chunk(s) for s in (2, 4, 5, 16, 17, 33, 128, 300)] == [4, 4, 16, 16, 128, 128, 128, 128]
+    warps = {chunk: options["num_warps"] for chunk, options in C.REDUCE_CHUNKS.items()}
     launched = []
     launch = dmod._launch_reduce
 
@@ -411,7 +415,7 @@ def test_decode_first_split_call_launches_every_merge_chunk(monkeypatch):
         out = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125, splits)
         close(out, ref, TOL[torch.float16])
         calls.append(list(launched))
-    assert calls == [[(16, 1), (128, 4), (4, 1)], [(128, 4)], [(4, 1)]]
+    assert calls == [[(16, warps[16]), (128, warps[128]), (4, warps[4])], [(128, warps[128])], [(4, warps[4])]]
 
 
 @cpu_only

@@ -45,9 +45,6 @@ def _assert_pdl(ptx, partitions=1):
     assert "griddepcontrol.launch_dependents" in ptx, "the kernel after it may be scheduled early"
 
 
-PREFETCH_LINES_COMPILED = 4  # int8_gemm.PREFETCH_LINES's value as measured; any power of two compiles the same way
-
-
 def _assert_weight_prefetch(ptx):
     """With PREFETCH > 0 the Triton GEMMs prefetch weight lines into L2, all before their PDL wait."""
     assert "prefetch.global.L2" in ptx, "the weight rows' L2 prefetch is missing"
@@ -58,7 +55,7 @@ def _compile_gemm(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from eightbit.kernels.int8_gemm import _int8_gemv_kernel
+    from eightbit.kernels.int8_gemm import PREFETCH_LINES, _int8_gemv_kernel
 
     cfg, even_k = job
     if cfg.kernel == "gemv":
@@ -70,7 +67,7 @@ def _compile_gemm(job):
         }
         consts = {"stride_cn": 1, "HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_KW": cfg.block_k // 4, "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "USE_ASM": True,
-                  "PDL": True, "LATE_TRIGGER": True, "PREFETCH": PREFETCH_LINES_COMPILED}
+                  "PDL": True, "LATE_TRIGGER": True, "PREFETCH": PREFETCH_LINES}  # as the chain launches it
         for name in consts:
             sig[name] = "constexpr"
         div16 = ["a_ptr", "xs_ptr", "b_ptr", "ws_ptr", "bias_ptr", "c_ptr", "acc_ptr", "lock_ptr",
@@ -98,7 +95,7 @@ def _compile_dot(cfg, even_k, trigger_ahead):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from eightbit.kernels.int8_gemm import _int8_gemm_kernel
+    from eightbit.kernels.int8_gemm import PREFETCH_LINES, _int8_gemm_kernel
 
     fn = _int8_gemm_kernel
     sig = {
@@ -112,7 +109,7 @@ def _compile_dot(cfg, even_k, trigger_ahead):
         "stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "HAS_BIAS": True,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
         "SPLIT_K": cfg.split_k, "EVEN_K": even_k, "PDL": True, "LATE_TRIGGER": True,
-        "PREFETCH": PREFETCH_LINES_COMPILED, "TRIGGER_AHEAD": trigger_ahead,
+        "PREFETCH": PREFETCH_LINES, "TRIGGER_AHEAD": trigger_ahead,
     }
     for name in consts:
         sig[name] = "constexpr"

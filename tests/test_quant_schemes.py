@@ -30,18 +30,18 @@ def test_round_trip_through_dict():
 
 
 @pytest.mark.parametrize(
-    "make",
+    "make,match",
     [
-        lambda: WeightScheme(strategy="tensor"),
-        lambda: WeightScheme(symmetric=False),
-        lambda: ActivationScheme(dynamic=False),
-        lambda: ActivationScheme(num_bits=4),
-        lambda: KVCacheScheme(group_size=0),
-        lambda: KVCacheScheme(scale_dtype="float32"),
+        (lambda: WeightScheme(strategy="tensor"), "unsupported weight scheme .*strategy='tensor'"),
+        (lambda: WeightScheme(symmetric=False), "unsupported weight scheme .*symmetric=False"),
+        (lambda: ActivationScheme(dynamic=False), "unsupported activation scheme .*dynamic=False"),
+        (lambda: ActivationScheme(num_bits=4), "unsupported activation scheme .*num_bits=4"),
+        (lambda: KVCacheScheme(group_size=0), "group size must be a positive integer, got 0"),
+        (lambda: KVCacheScheme(scale_dtype="float32"), "unsupported KV-cache scheme .*scale_dtype='float32'"),
     ],
 )
-def test_unsupported_schemes_are_refused(make):
-    with pytest.raises(ValueError):
+def test_unsupported_schemes_are_refused(make, match):
+    with pytest.raises(ValueError, match=match):
         make()
 
 

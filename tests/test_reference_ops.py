@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eightbit.kernels import reference as R
-from eightbit.quant.int8 import dequantize_groups
+from eightbit.quant.int8 import dequantize_groups, quantize_per_channel, quantize_per_token
 
 
 def naive_attention(q, keys, values, first_pos):
@@ -70,6 +70,25 @@ def test_int8_kv_write_round_trip_error_is_within_half_a_step():
         step = s.view(-1, 2, 2)[:5].float().repeat_interleave(32, -1)
         assert ((back - want).abs() <= 0.5 * step * 1.01 + 1e-7).all()
     assert torch.equal(v_cache[0, 1, :, 3], R.quantize_groups(-x[3], 32, torch.float16)[0][1])  # key-minor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_per_token_and_per_channel_quantization_by_hand(dtype):
+    """scale = absmax / 127 in float32; q = round(x * 127 / absmax), ties to even (torch.round), within +-127."""
+    x = torch.tensor([[127.0, -63.5, 0.5, 1.5, -2.5, 0.49],  # absmax 127: q = round(x), ties to even
+                      [0.0] * 6,  # all zero: scale 0 and q 0, no division by zero
+                      [-0.5, -0.25, 0.1, -0.003, 0.001, 0.002]], dtype=dtype)  # absmax 0.5: q = round(254 x)
+    want_q = torch.tensor([[127, -64, 0, 2, -2, 0], [0] * 6, [-127, -64, 25, -1, 0, 1]], dtype=torch.int8)
+    want_scale = torch.tensor([[1.0], [0.0], [0.5 / 127]])
+    for quantize in (quantize_per_token, quantize_per_channel):
+        q, scale = quantize(x)
+        assert torch.equal(q, want_q) and scale.dtype == torch.float32
+        torch.testing.assert_close(scale, want_scale, rtol=1e-7, atol=0)
+    q3, s3 = quantize_per_token(x.view(3, 1, 6))  # [..., K]: one scale per row of any leading shape
+    assert torch.equal(q3, want_q.view(3, 1, 6)) and torch.equal(s3, quantize_per_token(x)[1].view(3, 1, 1))
+    for bad in (x.view(3, 1, 6), x[0]):
+        with pytest.raises(ValueError, match=r"expected a 2-D weight, got shape \("):
+            quantize_per_channel(bad)
 
 
 def test_rms_norm_and_int8_gemm_by_hand():
