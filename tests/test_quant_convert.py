@@ -447,6 +447,7 @@ def test_empty_calibration_file(src, tmp_path):
 def test_bad_alpha(src, calib, tmp_path, alpha):
     with pytest.raises(QuantizeError, match="alpha"):
         run(src, tmp_path / "q", calib, alpha=alpha)
+    assert not (tmp_path / "q").exists() and leftovers(tmp_path, "q") == []
 
 
 def test_shard_names_are_those_of_transformers_for_one_shard(converted, src, calib, tmp_path):

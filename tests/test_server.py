@@ -225,19 +225,30 @@ def test_stop_strings_and_max_tokens(client, offline):
 
 def test_logprobs(client, offline):
     prompt = PROMPTS[0]
+    tok = offline.get_tokenizer()
+
+    def top(entry, k):  # the offline engine's k most likely tokens, as {token text: logprob}
+        return {tok.decode([t]): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:k]}
+
     ref = offline.generate(prompt, greedy(6, logprobs=2), use_tqdm=False)[0].outputs[0]
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref.token_ids)
-    for got, tid, entry in zip(lp.token_logprobs, ref.token_ids, ref.logprobs):
+    for got, got_top, tid, entry in zip(lp.token_logprobs, lp.top_logprobs, ref.token_ids, ref.logprobs):
         assert got == pytest.approx(entry[tid], abs=1e-4)
-    assert all(len(top) <= 2 for top in lp.top_logprobs)
+        assert len(got_top) == 2
+        assert got_top == pytest.approx(top(entry, 2), abs=1e-4)
     assert "".join(lp.tokens) == out.choices[0].text
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    messages = [{"role": "user", "content": "Hi"}]
+    ref = offline.chat(messages, greedy(4, logprobs=3), use_tqdm=False)[0].outputs[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens
-    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert len(content) == chat.usage.completion_tokens == len(ref.token_ids)
+    for t, tid, entry in zip(content, ref.token_ids, ref.logprobs):
+        assert t.token == tok.decode([tid]) and t.logprob == pytest.approx(entry[tid], abs=1e-4)
+        assert len(t.top_logprobs) == 3
+        assert {x.token: x.logprob for x in t.top_logprobs} == pytest.approx(top(entry, 3), abs=1e-4)
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)  # greedy: the top token
 
 

@@ -1,0 +1,101 @@
+"""The `eightbit` command's paths: `serve`'s flags into an EngineConfig (no server, no model), `generate --chat`
+against `LLM.chat`, and `eval tasks` end to end on two items of each task."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from eightbit import EngineConfig, SamplingParams
+from eightbit.cli import build_parser, main
+from eightbit.engine.server.cli import run_serve, serve_engine_options
+
+
+def serve_config(*flags) -> EngineConfig:
+    args = build_parser().parse_args(["serve", *flags])
+    assert args.func is run_serve
+    return EngineConfig(model=args.model, **serve_engine_options(args))
+
+
+def test_serve_flags_build_the_engine_config():
+    assert serve_config() == EngineConfig()  # every default is EngineConfig's own
+    options = serve_engine_options(build_parser().parse_args(["serve"]))
+    assert set(options) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    config = serve_config("--max-num-seqs", "4", "--no-enable-prefix-caching", "--kv-cache-dtype", "int8",
+                          "--kv-group-size", "64", "--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
+                          "--block-size", "32", "--max-num-batched-tokens", "1024", "--quantization", "w8a8",
+                          "--load-format", "dummy", "--gpu-memory-utilization", "0.5", "--kv-cache-memory-gb", "0.25",
+                          "--num-kv-blocks", "40", "--enforce-eager", "--no-async-scheduling", "--seed", "7")
+    assert config == EngineConfig(
+        model=None, dtype="float32", device="cpu", max_model_len=512, block_size=32, max_num_seqs=4,
+        max_num_batched_tokens=1024, enable_prefix_caching=False, kv_cache_dtype="int8", kv_group_size=64,
+        quantization="w8a8", load_format="dummy", gpu_memory_utilization=0.5, kv_cache_memory_gb=0.25,
+        num_kv_blocks=40, enforce_eager=True, async_scheduling=False, seed=7)
+    assert isinstance(config.kv_cache_memory_gb, float) and isinstance(config.max_num_seqs, int)
+
+
+def test_serve_bad_flags_fail_before_loading(capsys, monkeypatch):
+    import eightbit.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda *a, **k: pytest.fail("no engine may load"))
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+    assert e.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-num-seqs", "many"])
+    assert "--max-num-seqs" in capsys.readouterr().err
+    assert main(["serve", "--max-num-seqs", "0", "--port", "0"]) == 2
+    assert "max_num_seqs must be a positive integer" in capsys.readouterr().err
+
+
+def test_generate_chat_streams_the_chat_reply(llm, capsys):
+    prompt = "What is the capital of France?"
+    params = SamplingParams(temperature=0, max_tokens=6)
+    ref = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0].text
+    assert ref != llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text  # the template matters here
+    rc = main(["generate", "--chat", "--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
+               "--max-tokens", "6", prompt])
+    assert rc == 0
+    assert capsys.readouterr().out == ref + "\n"
+
+
+def test_eval_cli_tasks_end_to_end(tmp_path, capsys, hf_model, tokenizer):
+    from eightbit.eval.configs import resolve_data_dir
+    from eightbit.eval.tasks import build_requests, load_task
+
+    rc = main(["eval", "tasks", "--configs", "fp32", "--limit", "2", "--device", "cpu", "--max-model-len", "512",
+               "--kv-cache-memory-gb", "0.25", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    payload = json.loads((tmp_path / "tasks.json").read_text())
+    assert payload["meta"]["items"] == {"arc_easy": 2, "hellaswag": 2, "lambada": 2}
+    [row] = payload["rows"]
+    assert row["config"] == "fp32" and row["backend"] == "engine" and "error" not in row
+    assert "task_errors" not in row and set(row["tasks"]) == {"arc_easy", "hellaswag", "lambada"}
+    for task, res in row["tasks"].items():
+        items = load_task(task, resolve_data_dir(), limit=2)
+        requests = build_requests(items, tokenizer)
+        assert res["items"] == 2 and res["requests"] == len(requests) == sum(len(i.continuations) for i in items)
+        metrics = ["acc"] if task == "lambada" else ["acc", "acc_norm"]
+        for m in metrics:
+            assert 0.0 <= res[m] <= 1.0 and res[m] == sum(res["outcomes"][m]) / 2
+        # the reference: HF transformers' float32 model on the same requests
+        expected, k = {m: [] for m in metrics}, 0
+        for item in items:
+            lls, greedy = [], []
+            for ids, start in requests[k: k + len(item.continuations)]:
+                with torch.no_grad():
+                    lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)
+                lls.append(sum(lp[j - 1, ids[j]].item() for j in range(start, len(ids))))
+                greedy.append(all(lp[j - 1].argmax().item() == ids[j] for j in range(start, len(ids))))
+            k += len(item.continuations)
+            if task == "lambada":
+                expected["acc"].append(int(greedy[0]))
+            else:
+                normed = [ll / n for ll, n in zip(lls, item.lengths)]
+                expected["acc"].append(int(max(range(len(lls)), key=lls.__getitem__) == item.gold))
+                expected["acc_norm"].append(int(max(range(len(normed)), key=normed.__getitem__) == item.gold))
+        assert res["outcomes"] == expected, task
+    assert 1.0 < row["tasks"]["lambada"]["ppl"]
+    assert (tmp_path / "tasks.png").is_file() and "| fp32 | engine |" in (tmp_path / "tasks.md").read_text()
+    assert "arc_easy: 2 items" in capsys.readouterr().out
