@@ -21,6 +21,7 @@ from eightbit.engine.sampler import SamplingTensors, gather_logprobs, logprobs_t
 from eightbit.engine.sampling_params import SamplingParams
 from eightbit.engine.scheduler import Scheduler
 from eightbit.engine.sequence import Request, Sequence
+from eightbit.engine.transfer import to_device
 from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme
 
 CPU_KV_CACHE_GB = 1.0
@@ -70,6 +71,7 @@ class LLMEngine:
             self.runner.capture_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH), self.max_model_len,
                                        min(config.max_num_batched_tokens, self.max_model_len, MAX_GRAPH_PREFILL))
         self.scheduler = Scheduler(config, self.block_manager)
+        self.generator = make_generator(config.seed, config.device)  # for requests without a seed of their own
         self.requests = {}  # request_id -> Request, until finished
         self._in_flight = None  # the LaunchedStep launched ahead by async scheduling
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
@@ -243,9 +245,10 @@ class LLMEngine:
             return LaunchedStep(scheduled, [], None)
         logits = result.logits
         if rows != list(range(len(logits))):  # n > 1 forks repeat rows
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[to_device(rows, torch.int64, logits.device)]
         params = [s.params for s in seqs]
-        tokens = sample(logits, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs])
+        tokens = sample(logits, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs],
+                        self.generator)
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = gather_logprobs(logits, tokens, k) if k is not None else ()
         return LaunchedStep(scheduled, seqs, tokens, *_copy_to_host((tokens, *logprobs)))
@@ -261,9 +264,8 @@ class LLMEngine:
         if sched is None:
             return None
         tokens = launched.tokens
-        if len(keep) < len(tokens):  # (pinned: a pageable copy would wait for the GPU)
-            rows = torch.tensor(keep, pin_memory=tokens.is_cuda).to(tokens.device, non_blocking=True)
-            tokens = tokens[rows]
+        if len(keep) < len(tokens):
+            tokens = tokens[to_device(keep, torch.int64, tokens.device)]
         return self._launch(sched.scheduled, sched.copies, tokens)
 
     def _ends_by_length(self, seq) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from eightbit.engine.context import Context, reset_context, set_context
 from eightbit.engine.sampler import gather_logprobs, logprobs_to_dicts
+from eightbit.engine.transfer import to_device
 from eightbit.kernels.reference import v_cache_shape
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when scoring
@@ -31,7 +32,7 @@ class KVCache:
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, group_size, device):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        alloc = torch.zeros if device != "cpu" else torch.empty  # untouched CPU pages cost nothing
+        alloc = torch.zeros if torch.device(device).type != "cpu" else torch.empty  # untouched CPU pages cost nothing
         self.k = alloc(shape, dtype=dtype, device=device)
         # an int8 V cache is stored key-minor (kernels/reference.py)
         self.v = alloc((num_layers,) + v_cache_shape(*shape[1:], dtype), dtype=dtype, device=device)
@@ -55,8 +56,8 @@ class KVCache:
     @torch.no_grad()
     def copy_blocks(self, copies):
         """Copy-on-write: duplicate whole blocks (all layers) before a shared block is written."""
-        src = torch.tensor([s for s, _ in copies], device=self.k.device)
-        dst = torch.tensor([d for _, d in copies], device=self.k.device)
+        src = to_device([s for s, _ in copies], torch.int64, self.k.device)
+        dst = to_device([d for _, d in copies], torch.int64, self.k.device)
         for t in self.tensors():
             t[:, dst] = t[:, src]
 
@@ -208,7 +209,7 @@ class ModelRunner:
                 for c in range(start, last, LOGITS_CHUNK):
                     ce = min(c + LOGITS_CHUNK, last)
                     logits = self.model.compute_logits(hidden[offset + c - start : offset + ce - start])
-                    targets = torch.tensor(seq.token_ids[c + 1 : ce + 1], device=logits.device)
+                    targets = to_device(seq.token_ids[c + 1 : ce + 1], torch.int64, logits.device)
                     chosen, top_ids, top_lps = gather_logprobs(logits, targets, k)
                     dicts = logprobs_to_dicts(targets, chosen, top_ids, top_lps, [k] * len(targets))
                     entries += [(c + 1 + i, d) for i, d in enumerate(dicts)]

@@ -1,7 +1,8 @@
 """Token sampling and log-probs for one decoding step, batched in plain torch.
 
-Works on CPU and CUDA tensors alike: no per-element Python loops and no host syncs
-(the only Python loop is over the rows that own a seeded generator).
+Works on CPU and CUDA tensors alike: no per-element Python loops and no host syncs (the
+per-row settings go up from pinned memory; the only Python loop is over the rows that own a
+seeded generator).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import SamplingParams
+from .transfer import to_device
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -48,7 +50,7 @@ class SamplingTensors:
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
 
         def t(values, dtype):
-            return None if all(greedy) else torch.tensor(values, dtype=dtype, device=device)
+            return None if all(greedy) else to_device(values, dtype, device)
 
         return cls(
             temperatures=t(temps, torch.float32),
@@ -95,12 +97,14 @@ def sample(
     logits: torch.Tensor,
     t: SamplingTensors,
     generators: Sequence[torch.Generator | None] | None = None,
+    default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Pick one token per row of ``logits`` [B, V]; returns int64 [B] on the logits' device.
 
     Random rows use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i
     with probability p_i. A row with a generator draws its own E from it, so its token depends
-    only on its logits and its generator's state, never on the other rows of the batch.
+    only on its logits and its generator's state, never on the other rows of the batch. The
+    other rows draw from ``default_generator`` (the engine's, seeded by ``EngineConfig.seed``).
     """
     greedy_tokens = logits.argmax(dim=-1)
     if t.all_greedy:
@@ -109,7 +113,7 @@ def sample(
     generators = list(generators or ())
     race = torch.empty_like(probs)
     if len(generators) < len(race) or any(g is None for g in generators):
-        race.exponential_()  # one batched draw (default generator) for the unseeded rows
+        race.exponential_(generator=default_generator)  # one batched draw for the unseeded rows
     for row, g in enumerate(generators):
         if g is not None:
             race[row].exponential_(generator=g)
