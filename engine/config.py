@@ -29,7 +29,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed block count (tests); overrides the memory-based sizing
     enforce_eager: bool = False  # True: no CUDA graphs
     async_scheduling: bool = True  # launch the next decode step before this one's tokens reach the host
-    seed: int = 0
+    seed: int = 0  # seeds the dummy weights and the sampling of requests that carry no seed of their own
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -276,3 +276,18 @@ def test_cli_rejects_a_device_this_machine_lacks_before_loading(capsys, monkeypa
     monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
     assert cli_main(["generate", "--device", "tpu", "hi"]) == 2
     assert "'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err
+
+
+def test_the_engine_seed_makes_unseeded_sampling_reproducible():
+    from eightbit import LLM
+
+    def samples(seed):
+        llm = LLM("llama-tiny", load_format="dummy", device="cpu", dtype="float32", seed=seed,
+                  kv_cache_memory_gb=0.01, max_model_len=256)
+        params = SamplingParams(temperature=1.0, max_tokens=16)  # no seed of its own
+        return [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)]
+
+    first = samples(1)
+    torch.rand(1000)  # the global generator's state must not matter
+    assert samples(1) == first
+    assert samples(2) != first
