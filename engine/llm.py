@@ -83,10 +83,13 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer and its chat template; this model has none (dummy weights)")
-        prompts = [
-            tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+        # token ids, not text: the template writes its own BOS, and tokenizing its text would add a second one
+        ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def _add(self, prompts, params, priorities):
         ids = []

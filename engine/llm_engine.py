@@ -156,8 +156,11 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the samples of a "
+                             f"request run together")
         vocab = self.hf_config.vocab_size
-        for field in ("logprobs", "prompt_logprobs"):
+        for field in ("logprobs", "prompt_logprobs", "top_k"):
             if (getattr(params, field) or 0) > vocab:
                 raise ValueError(f"{field}={getattr(params, field)} exceeds the vocabulary size {vocab}")
         text, token_ids = self._tokenize(prompt)

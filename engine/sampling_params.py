@@ -14,6 +14,9 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -92,4 +95,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW  # dividing by a tinier one overflows float32

@@ -120,8 +120,10 @@ def _assert_idle(engine):
 @pytest.mark.parametrize("params, message", [
     (SamplingParams(logprobs=10**6, max_tokens=1), "logprobs=1000000 exceeds the vocabulary size"),
     (SamplingParams(prompt_logprobs=10**6, max_tokens=1), "prompt_logprobs=1000000 exceeds"),
+    (SamplingParams(top_k=2**63, max_tokens=1), "top_k=9223372036854775808 exceeds the vocabulary size"),
+    (SamplingParams(n=257, max_tokens=1), "n=257 exceeds max_num_seqs=256"),  # forks that would not fit a step
 ])
-def test_too_many_logprobs_raise_before_running_and_the_llm_stays_usable(llm, params, message):
+def test_limits_past_the_model_raise_before_running_and_the_llm_stays_usable(llm, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(["Hi"], params, use_tqdm=False)
     _assert_idle(llm.engine)
@@ -291,3 +293,24 @@ def test_the_engine_seed_makes_unseeded_sampling_reproducible():
     torch.rand(1000)  # the global generator's state must not matter
     assert samples(1) == first
     assert samples(2) != first
+
+
+def test_chat_does_not_double_the_template_s_bos(llm, monkeypatch):
+    """With a tokenizer that adds BOS to text (Llama 3, Mistral) and a template that writes bos_token itself."""
+    import copy
+
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    base = llm.get_tokenizer()
+    backend = copy.deepcopy(base.backend_tokenizer)
+    bos = base.convert_ids_to_tokens(1)  # a special token of the vocabulary, as a BOS
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=base.eos_token)
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert tok("hi").input_ids[0] == 1  # the kind of tokenizer this is about
+    monkeypatch.setattr(llm.engine, "tokenizer", tok)
+    out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=2),
+                   use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1] + tok("Say hi.", add_special_tokens=False).input_ids
+    assert out.prompt == bos + "Say hi."

@@ -263,6 +263,10 @@ def test_logprobs(client, offline):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 100000}, 400, "n"),  # not an out-of-memory kill
+    ("/v1/completions", {"model": MODEL, "prompt": ["x", "y"], "n": 200}, 400, "n"),  # n x prompts
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2 ** 63}, 400, "top_k"),  # not a failed step
+    ("/v1/completions", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
@@ -467,3 +471,35 @@ def test_serve_rejects_a_port_it_cannot_listen_on_before_loading(port, message, 
         port = port or taken.getsockname()[1]
         assert cli_main(["serve", "--device", "cpu", "--port", str(port)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_tiny_temperature_samples_greedily(server, offline):
+    """Below 1e-5 (as vLLM): dividing the logits by 1e-40 would overflow float32 and pick token 0."""
+    prompt = "The capital of France is"
+    want = offline.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].text
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 1e-40})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
+
+
+def test_the_chat_template_s_bos_is_not_doubled(tokenizer):
+    """A template that writes bos_token, with a tokenizer that adds BOS to text (Llama 3, Mistral): one BOS."""
+    import copy
+
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    from eightbit.engine.server.api import TokenizerPool
+
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    bos = tokenizer.convert_ids_to_tokens(1)  # a special token of the vocabulary, as a BOS
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="</s>")
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert tok("hi").input_ids[0] == 1  # the kind of tokenizer this is about
+    messages = [{"role": "user", "content": "hi there"}]
+    pool = TokenizerPool(tok, 1)
+    try:
+        ids = pool.chat_prompt(messages, True, None)
+    finally:
+        pool.shutdown()
+    assert ids == [1] + tok("hi there", add_special_tokens=False).input_ids

@@ -72,7 +72,7 @@ class TokenizerPool:
     def chat_prompt(self, messages, add_generation_prompt, kwargs) -> list[int]:
         text = self.get().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                               tokenize=False, **(kwargs or {}))
-        return self.encode(text)
+        return self.get()(text, add_special_tokens=False).input_ids  # the template writes its own BOS
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -91,6 +91,7 @@ class ServerState:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.hf_config.vocab_size
+        self.max_num_seqs = engine.config.max_num_seqs
         self.max_queue = max_queue
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_workers)
         self.metrics = Metrics(model_name)
@@ -247,6 +248,16 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
         raise APIError(str(e), param=str(e).split()[0]) from None
 
 
+def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
+    """What the engine would refuse, refused here, so that it never fails a step shared with other requests."""
+    if params.n * num_prompts > state.max_num_seqs:
+        raise APIError(f"n x prompts = {params.n * num_prompts} exceeds this server's max_num_seqs "
+                       f"({state.max_num_seqs}): the samples of a request run together", param="n")
+    if params.top_k > state.vocab_size:
+        raise APIError(f"top_k must be at most the vocabulary size {state.vocab_size}, got {params.top_k}",
+                       param="top_k")
+
+
 def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None):
     for ids in prompts:
         if not ids:
@@ -273,7 +284,10 @@ async def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
         if isinstance(p, str):
             if not p:
                 raise APIError("prompt is empty", param="prompt")
-            out.append(await state.tokenizers.run(state.tokenizers.encode, p))
+            try:
+                out.append(await state.tokenizers.run(state.tokenizers.encode, p))
+            except (TypeError, ValueError) as e:  # e.g. a lone surrogate, which UTF-8 cannot encode
+                raise APIError(f"cannot tokenize the prompt: {e}", param="prompt") from None
         else:
             bad = [t for t in p if not 0 <= t < state.vocab_size]
             if bad:
@@ -430,6 +444,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         prompts = await _completion_prompts(state, req.prompt)
+        _check_limits(state, params, len(prompts))
         _check_length(state, prompts, req.max_tokens)
         request_id = P.random_id("cmpl")
         gen = Generation(state, request_id, prompts, params, raw_request, arrival)
@@ -480,6 +495,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
                                                 req.chat_template_kwargs)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        _check_limits(state, params, 1)
         _check_length(state, [prompt], max_tokens)
         request_id = P.random_id("chatcmpl")
         gen = Generation(state, request_id, [prompt], params, raw_request, arrival)
