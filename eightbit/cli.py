@@ -1,4 +1,4 @@
-"""The `eightbit` command: generate (and quantize, eval, bench, serve as they land)."""
+"""The `eightbit` command: generate here; quantize, eval, bench and serve from their own packages."""
 
 import argparse
 import sys

@@ -1,10 +1,10 @@
 """Incremental detokenization with stop strings.
 
-Decoding works on a short window of token ids (vLLM-style prefix/read offsets): the text of
-the tokens in ``[prefix, read)`` was already released; ``[prefix, end)`` is decoded and the
-part beyond the first window's text is new. The already-released tokens serve as left context
-so that tokenizers whose decode depends on neighbours (sentencepiece leading spaces) come out
-right, and the cost per token stays small however long the output gets.
+Decoding works on a short window of token ids: the last tokens whose text was released (at first
+the prompt's last few), then the new ones from ``_read`` on. The window is decoded, and what lies
+past the left context's own text is new. The left context makes tokenizers whose decode depends on
+neighbours (sentencepiece leading spaces) come out right, and the window keeps the cost per token
+small however long the output gets.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ class IncrementalDetokenizer:
         if self._decode(self._ids).endswith(_REPLACEMENT):
             # The prompt ends inside a character: its continuation belongs to neither side.
             self._ids = []
-        self._prefix = 0
         self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        self._context_text = self._decode(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -48,15 +47,15 @@ class IncrementalDetokenizer:
         """Text of the not-yet-decoded tokens, or "" while it ends mid-character (unless final)."""
         if self._read == len(self._ids):
             return ""
-        new_text = self._decode(self._ids[self._prefix:])
-        if not final and (len(new_text) <= len(self._prefix_text)
+        new_text = self._decode(self._ids)
+        if not final and (len(new_text) <= len(self._context_text)
                           or new_text.endswith(_REPLACEMENT)):
             return ""
-        delta = new_text[len(self._prefix_text):]
+        delta = new_text[len(self._context_text):]
         # The tokens just decoded become the next left context; drop what is older.
         del self._ids[:self._read]
-        self._prefix, self._read = 0, len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        self._read = len(self._ids)
+        self._context_text = self._decode(self._ids)
         return delta
 
     def _release(self, delta: str, final: bool) -> str:

@@ -58,7 +58,6 @@ def m_bucket(m):
     return M_BUCKETS[-1]
 
 
-GEMV_MAX_M = 8
 
 
 def gemv_config(m, n, k, num_sms=132):
