@@ -267,6 +267,8 @@ def test_logprobs(client, offline):
     ("/v1/completions", {"model": MODEL, "prompt": ["x", "y"], "n": 200}, 400, "n"),  # n x prompts
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2 ** 63}, 400, "top_k"),  # not a failed step
     ("/v1/completions", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),  # as OpenAI: only with stream
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
@@ -503,3 +505,17 @@ def test_the_chat_template_s_bos_is_not_doubled(tokenizer):
     finally:
         pool.shutdown()
     assert ids == [1] + tok("hi there", add_special_tokens=False).input_ids
+
+
+def test_pending_aborts_are_not_counted_as_waiting_requests():
+    from eightbit import EngineConfig, LLMEngine
+    from eightbit.engine.server.async_engine import AsyncEngine
+
+    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    loop = AsyncEngine(engine)  # not started: commands stay queued
+    for i in range(5):
+        loop.abort(f"gone-{i}")
+    assert loop.stats["waiting_requests"] == 0
+    loop.submit("new", [1, 2, 3], SamplingParams(max_tokens=2), sink=None)
+    assert loop.stats["waiting_requests"] == 1

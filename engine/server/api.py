@@ -223,6 +223,8 @@ def _reject_unless(condition: bool, param: str, message: str):
 
 
 def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
+    _reject_unless(req.stream or req.stream_options is None, "stream_options",
+                   "stream_options is only allowed when stream is true")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         _reject_unless(value in (None, 0), name, f"{name} is not implemented: only 0 is accepted, got {value}")

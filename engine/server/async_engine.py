@@ -54,6 +54,7 @@ class AsyncEngine:
         self.engine = engine
         self.idle_poll_s = idle_poll_s
         self._commands = queue.SimpleQueue()
+        self._adds_submitted = self._adds_taken = 0  # each written by one thread only (the caller's, the loop's)
         self._sinks = {}  # request_id -> Sink, touched only on the loop thread
         self._thread = None
         self._stop = threading.Event()
@@ -93,6 +94,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, request_id, prompt_token_ids, params, sink: Sink, priority=0):
+        self._adds_submitted += 1
         self._commands.put(("add", request_id, prompt_token_ids, params, sink, priority))
 
     def abort(self, request_id):
@@ -102,7 +104,7 @@ class AsyncEngine:
     def stats(self) -> dict:
         """The latest snapshot of the engine's state and the loop's timers (a plain dict)."""
         s = dict(self._stats)
-        s["waiting_requests"] += self._commands.qsize()
+        s["waiting_requests"] += self._adds_submitted - self._adds_taken  # not yet taken in (aborts not counted)
         s["alive"] = self.alive
         return s
 
@@ -150,6 +152,7 @@ class AsyncEngine:
 
     def _handle(self, cmd):
         if cmd[0] == "add":
+            self._adds_taken += 1
             _, request_id, token_ids, params, sink, priority = cmd
             try:
                 self.engine.add_request(request_id, token_ids, params, priority)
