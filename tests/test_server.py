@@ -519,3 +519,15 @@ def test_pending_aborts_are_not_counted_as_waiting_requests():
     assert loop.stats["waiting_requests"] == 0
     loop.submit("new", [1, 2, 3], SamplingParams(max_tokens=2), sink=None)
     assert loop.stats["waiting_requests"] == 1
+
+
+def test_streamed_logprob_offsets_equal_the_unstreamed_ones(client):
+    """Chinese text: byte tokens whose characters are released a few tokens late (the stream holds partial ones)."""
+    args = dict(model=MODEL, prompt="Translate to Chinese: good morning, my friend.\nChinese:", max_tokens=12,
+                temperature=0, logprobs=1)
+    whole = client.completions.create(**args).choices[0].logprobs
+    chunks = [ch.choices[0].logprobs for ch in client.completions.create(stream=True, **args) if ch.choices]
+    streamed = [o for lp in chunks if lp for o in lp.text_offset]
+    assert streamed == whole.text_offset
+    assert [t for lp in chunks if lp for t in lp.tokens] == whole.tokens
+    assert whole.text_offset == sorted(whole.text_offset)

@@ -549,7 +549,7 @@ class _CountResponses:
 
 async def _stream_completion(state, gen: Generation, req, request_id, created):
     n, k = gen.params.n, req.logprobs
-    sent_tokens, text_len, done = {}, {}, set()
+    sent_tokens, token_offset, done = {}, {}, set()
     completion_tokens = 0
     try:
         async for i, out in gen.results():
@@ -561,8 +561,9 @@ async def _stream_completion(state, gen: Generation, req, request_id, created):
                 sent_tokens[key] = len(c.token_ids)
                 lp = None
                 if k is not None:
-                    lp = _completion_logprobs(state, c.token_ids[start:], c.logprobs[start:], k, text_len.get(key, 0))
-                text_len[key] = text_len.get(key, 0) + len(c.delta)
+                    offset = token_offset.get(key, 0)  # running over the tokens' texts, as without streaming
+                    lp = _completion_logprobs(state, c.token_ids[start:], c.logprobs[start:], k, offset)
+                    token_offset[key] = offset + sum(len(t) for t in lp.tokens)
                 if c.finish_reason:
                     done.add(key)
                     completion_tokens += len(c.token_ids)
