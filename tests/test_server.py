@@ -531,3 +531,18 @@ def test_streamed_logprob_offsets_equal_the_unstreamed_ones(client):
     assert streamed == whole.text_offset
     assert [t for lp in chunks if lp for t in lp.tokens] == whole.tokens
     assert whole.text_offset == sorted(whole.text_offset)
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(client, offline):
+    """Chinese output: one character is two or three byte tokens, each of whose text is U+FFFD; their `bytes`
+    joined must give back the reply (OpenAI's reason for the field)."""
+    tok = offline.get_tokenizer()
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Reply in Chinese: 你好"}],
+                                         max_tokens=12, temperature=0, logprobs=True, top_logprobs=1)
+    content = out.choices[0].logprobs.content
+    assert any(t.token == "\ufffd" for t in content)  # the case this is about
+    special = {tok.decode([t]) for t in tok.all_special_ids}
+    joined = bytes(b for t in content if t.token not in special for b in t.bytes)
+    assert joined.decode("utf-8") == out.choices[0].message.content
+    for t in content:  # the top alternatives carry their own bytes the same way
+        assert t.top_logprobs[0].bytes == t.bytes  # greedy: the top token is the chosen one

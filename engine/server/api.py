@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,9 @@ class TokenizerPool:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="eightbit-tokenizer")
         self._token_text = {}
+        self._token_bytes = {}
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") if tokenizer.is_fast else None
+        self._byte_level = bool(decoder) and decoder.get("type") == "ByteLevel"
         barrier = threading.Barrier(workers)  # start every worker now and copy its tokenizer up front
         for f in [self._pool.submit(self._warm, barrier) for _ in range(workers)]:
             f.result()
@@ -80,8 +84,38 @@ class TokenizerPool:
             text = self._token_text[token_id] = self.get().decode([token_id])
         return text
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (OpenAI's `bytes`): for a token that holds part of a UTF-8 character, its text
+        is U+FFFD, so the bytes come from the vocabulary's piece instead."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            piece = self.get().convert_ids_to_tokens(token_id)
+            byte_token = _BYTE_TOKEN.fullmatch(piece)
+            if byte_token:  # sentencepiece's byte fallback
+                raw = [int(byte_token.group(1), 16)]
+            elif self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                raw = [_BYTE_OF_CHAR[c] for c in piece]
+            else:
+                raw = list(self.token_text(token_id).encode("utf-8"))
+            self._token_bytes[token_id] = raw
+        return raw
+
     def shutdown(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's scheme) writes each byte as one printable character: the printable Latin-1 bytes as
+    themselves, the other 68 as the characters from U+0100 on, in byte order. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class ServerState:
@@ -345,7 +379,7 @@ def _chat_logprobs(state, token_ids, logprobs, k) -> P.ChatLogprobs:
 
     def item(cls, tid, lp, **extra):
         s = text(tid)
-        return cls(token=s, logprob=lp, bytes=list(s.encode("utf-8")), **extra)
+        return cls(token=s, logprob=lp, bytes=state.tokenizers.token_bytes(tid), **extra)
 
     content = [
         item(P.TokenLogprob, tid, entry[tid], top_logprobs=[item(P.TopLogprob, t, lp) for t, lp in _top(entry, k)])
