@@ -43,10 +43,9 @@ def run_generate(args) -> int:
     llm = LLM(args.model, **engine_options(args))
     prompts = args.prompts
     if args.chat:
-        tok = llm.get_tokenizer()
-        prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False), add_special_tokens=False).input_ids
-                   for p in prompts]  # ids: the template writes its own BOS
+        from eightbit.engine.chat import render_chat
+
+        prompts = [render_chat(llm.get_tokenizer(), [{"role": "user", "content": p}])[1] for p in prompts]
     for prompt in prompts:  # every prompt checked before the first one runs
         llm.engine.check_request(prompt, params)
     for i, prompt in enumerate(prompts):  # one prompt at a time, so its text streams in order

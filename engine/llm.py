@@ -5,6 +5,7 @@ from contextlib import closing
 
 from tqdm.auto import tqdm
 
+from eightbit.engine.chat import render_chat
 from eightbit.engine.config import EngineConfig
 from eightbit.engine.llm_engine import LLMEngine
 from eightbit.engine.sampling_params import SamplingParams
@@ -33,7 +34,8 @@ class LLM:
         exception while it runs (Ctrl-C included) aborts this call's requests, so the engine stays usable.
         """
         prompts = self._as_list(prompts)
-        params = self._per_prompt(sampling_params, len(prompts), "sampling params")
+        params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
+                                  "sampling params")
         priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities")
         ids = self._add(prompts, params, priorities)
         finished = {}
@@ -51,7 +53,8 @@ class LLM:
         The deltas of one completion, joined, equal its final text.
         """
         prompts = self._as_list(prompts)
-        params = self._per_prompt(sampling_params, len(prompts), "sampling params")
+        params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
+                                  "sampling params")
         ids = self._add(prompts, params, [0] * len(prompts))
         index = {request_id: i for i, request_id in enumerate(ids)}
         with closing(self._run(ids)) as outputs:  # closed, and so aborted, when the consumer stops early
@@ -83,10 +86,8 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer and its chat template; this model has none (dummy weights)")
-        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
-        # token ids, not text: the template writes its own BOS, and tokenizing its text would add a second one
-        ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        texts, ids = zip(*(render_chat(tokenizer, c) for c in conversations))
+        outputs = self.generate(list(ids), sampling_params, use_tqdm=use_tqdm)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
@@ -119,8 +120,6 @@ class LLM:
     @staticmethod
     def _per_prompt(value, n, what):
         """One value per prompt: a single value is shared by all; a list must have one for each."""
-        if value is None:
-            value = SamplingParams()
         if isinstance(value, (SamplingParams, int)):
             return [value] * n
         if not isinstance(value, (list, tuple)):

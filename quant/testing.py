@@ -92,3 +92,19 @@ def make_tiny_checkpoint(
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     (tokenizer or make_tiny_tokenizer(config.vocab_size)).save_pretrained(folder)
     return folder
+
+
+def bos_chat_tokenizer(tokenizer, eos_token="</s>"):
+    """`tokenizer` turned into the kind Llama 3 and Mistral have: it puts a BOS (the vocabulary's token 1) in front
+    of any text, and its chat template writes bos_token itself, so a chat prompt tokenized as plain text gets two."""
+    import copy
+
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    bos = tokenizer.convert_ids_to_tokens(1)
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos_token)
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tok

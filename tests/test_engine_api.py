@@ -297,17 +297,11 @@ def test_the_engine_seed_makes_unseeded_sampling_reproducible():
 
 def test_chat_does_not_double_the_template_s_bos(llm, monkeypatch):
     """With a tokenizer that adds BOS to text (Llama 3, Mistral) and a template that writes bos_token itself."""
-    import copy
-
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
+    from eightbit.quant.testing import bos_chat_tokenizer
 
     base = llm.get_tokenizer()
-    backend = copy.deepcopy(base.backend_tokenizer)
-    bos = base.convert_ids_to_tokens(1)  # a special token of the vocabulary, as a BOS
-    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=base.eos_token)
-    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok = bos_chat_tokenizer(base, eos_token=base.eos_token)
+    bos = tok.bos_token
     assert tok("hi").input_ids[0] == 1  # the kind of tokenizer this is about
     monkeypatch.setattr(llm.engine, "tokenizer", tok)
     out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=2),

@@ -485,18 +485,10 @@ def test_a_tiny_temperature_samples_greedily(server, offline):
 
 def test_the_chat_template_s_bos_is_not_doubled(tokenizer):
     """A template that writes bos_token, with a tokenizer that adds BOS to text (Llama 3, Mistral): one BOS."""
-    import copy
-
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
-
     from eightbit.engine.server.api import TokenizerPool
+    from eightbit.quant.testing import bos_chat_tokenizer
 
-    backend = copy.deepcopy(tokenizer.backend_tokenizer)
-    bos = tokenizer.convert_ids_to_tokens(1)  # a special token of the vocabulary, as a BOS
-    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="</s>")
-    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok = bos_chat_tokenizer(tokenizer)
     assert tok("hi").input_ids[0] == 1  # the kind of tokenizer this is about
     messages = [{"role": "user", "content": "hi there"}]
     pool = TokenizerPool(tok, 1)

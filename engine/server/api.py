@@ -18,10 +18,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
+from tokenizers import decoders
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eightbit.engine.chat import render_chat
 from eightbit.engine.sampling_params import SamplingParams
 from eightbit.engine.server import protocol as P
 from eightbit.engine.server.async_engine import AsyncEngine, Sink
@@ -47,8 +49,7 @@ class TokenizerPool:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="eightbit-tokenizer")
         self._token_text = {}
         self._token_bytes = {}
-        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") if tokenizer.is_fast else None
-        self._byte_level = bool(decoder) and decoder.get("type") == "ByteLevel"
+        self._byte_level = tokenizer.is_fast and isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel)
         barrier = threading.Barrier(workers)  # start every worker now and copy its tokenizer up front
         for f in [self._pool.submit(self._warm, barrier) for _ in range(workers)]:
             f.result()
@@ -74,9 +75,7 @@ class TokenizerPool:
         return self.get()(text).input_ids  # exactly what LLMEngine.add_request does with a str
 
     def chat_prompt(self, messages, add_generation_prompt, kwargs) -> list[int]:
-        text = self.get().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                              tokenize=False, **(kwargs or {}))
-        return self.get()(text, add_special_tokens=False).input_ids  # the template writes its own BOS
+        return render_chat(self.get(), messages, add_generation_prompt, **(kwargs or {}))[1]
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
