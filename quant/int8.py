@@ -8,7 +8,9 @@ must reproduce it (up to a rounding tie). All arithmetic is float32:
     x    ~= q * scale
 
 An all-zero row or group gets scale 0 and q 0 (no division by zero). -128 is
-never produced, but every consumer must accept it in its inputs.
+never produced, but every consumer must accept it in its inputs. Rows whose absmax is
+below 2^-100 are rescaled by 2^100 (exact) before the division, where 127 / absmax would
+overflow; the GPU kernels skip that (such a row dequantizes to within 1e-30 either way).
 
 The KV cache's groups (quantize_groups) cap absmax at KV_ABSMAX = 127 * 512 = 65024: the
 attention kernels dequantize in float16, and with scale <= 512 every q * scale fits it.
@@ -21,7 +23,14 @@ QMAX = 127.0
 KV_ABSMAX = 65024.0  # 127 * 512: the largest group absmax whose dequantized values all fit float16
 
 
+TINY_ABSMAX = 2.0**-100  # below ~3.7e-37, 127 / absmax overflows float32
+
+
 def _quantize(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    # rows of tiny magnitude are scaled up by a power of two first (exact), so q is what the formula says
+    tiny = (absmax > 0) & (absmax < TINY_ABSMAX)
+    x = torch.where(tiny, x * 2.0**100, x)
+    absmax = torch.where(tiny, absmax * 2.0**100, absmax)
     inv = torch.where(absmax > 0, QMAX / absmax, torch.zeros_like(absmax))
     return torch.round(x * inv).clamp_(-QMAX, QMAX).to(torch.int8)
 

@@ -91,6 +91,14 @@ def test_per_token_and_per_channel_quantization_by_hand(dtype):
             quantize_per_channel(bad)
 
 
+def test_quantization_of_rows_too_small_for_127_over_absmax():
+    """127 / absmax overflows float32 below ~3.7e-37: such rows still get q = round(127 x / absmax), by hand."""
+    w = torch.tensor([[3e-38, 0.0, -1e-38, 2e-38], [1e-40, 5e-41, 0.0, -1e-40]])  # the second row is subnormal
+    q, scale = quantize_per_channel(w)
+    assert torch.equal(q, torch.tensor([[127, 0, -42, 85], [127, 64, 0, -127]], dtype=torch.int8))
+    torch.testing.assert_close(scale, w.abs().amax(1, keepdim=True) / 127, rtol=0, atol=0)
+
+
 def test_rms_norm_and_int8_gemm_by_hand():
     x = torch.tensor([[3.0, 4.0]])
     out, res = R.rms_norm(x, torch.tensor([1.0, 2.0]), 0.0, residual=torch.tensor([[1.0, 0.0]]))
