@@ -120,14 +120,23 @@ def _check_args(args, stem, positive):
                          f"pass --overwrite to replace them, or another --out")
 
 
+def _write_chart(draw, rows, path: Path, *extra):
+    """The chart of this run's rows, or none: an earlier run's chart is not left beside this run's tables."""
+    chart = draw(rows, *extra, path) if extra else draw(rows, path)
+    if chart is None:
+        path.unlink(missing_ok=True)
+    return chart
+
+
 def run_ppl(args) -> int:
     from eightbit.eval import report
-    from eightbit.eval.configs import load_tokenizer, parse_configs, resolve_data_dir
+    from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
     from eightbit.engine.weights import open_checkpoint
 
     _check_args(args, "ppl", ("windows", "window_size"))
     configs = parse_configs(args.configs)
+    check_float_model(args.model)
     data_dir = resolve_data_dir(args.data_dir)
     text = wikitext_text(data_dir)
     tokenizer = load_tokenizer(args.model)
@@ -158,9 +167,10 @@ def run_ppl(args) -> int:
         report.write_json(out / "ppl.json", {"meta": meta, "rows": rows})
     table = report.ppl_table(rows)
     header = (f"WikiText-2 raw test, {len(windows)}/{total_windows} windows of {window} tokens "
-              f"({sum(r.get('scored_tokens', 0) for r in rows[:1]):,} scored tokens), {meta['machine']}, {meta['date']}")
+              f"({next((r['scored_tokens'] for r in rows if 'scored_tokens' in r), 0):,} scored tokens), "
+              f"{meta['machine']}, {meta['date']}")
     (out / "ppl.md").write_text(header + "\n\n" + table + "\n")
-    chart = report.ppl_chart(rows, out / "ppl.png")
+    chart = _write_chart(report.ppl_chart, rows, out / "ppl.png")
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'ppl.json'}, {out / 'ppl.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r for r in rows) else 1
@@ -168,11 +178,12 @@ def run_ppl(args) -> int:
 
 def run_tasks(args) -> int:
     from eightbit.eval import report
-    from eightbit.eval.configs import load_tokenizer, parse_configs, resolve_data_dir
+    from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.tasks import TASKS, evaluate_task, load_task
 
     _check_args(args, "tasks", ("limit", "max_model_len"))
     configs = parse_configs(args.configs)
+    check_float_model(args.model)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
@@ -205,7 +216,7 @@ def run_tasks(args) -> int:
     table = report.tasks_table(rows, tasks)
     header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}"
     (out / "tasks.md").write_text(header + "\n\n" + table + "\n")
-    chart = report.tasks_chart(rows, tasks, out / "tasks.png")
+    chart = _write_chart(report.tasks_chart, rows, out / "tasks.png", tasks)
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'tasks.json'}, {out / 'tasks.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r and "task_errors" not in r for r in rows) else 1

@@ -11,6 +11,8 @@ exactly the same token ids.
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,8 +216,9 @@ class EngineScorer(Scorer):
             options["kv_cache_memory_gb"] = kv_cache_memory_gb
         self.llm = llm if llm is not None else LLM(path, **options)
         engine = self.llm.engine
-        if config.w8a8 and not engine.quantized:
-            raise RuntimeError(f"{config.name}: the engine did not load W8A8 weights")
+        if config.w8a8 != engine.quantized:
+            raise RuntimeError(f"{config.name}: the engine loaded {'W8A8' if engine.quantized else 'float'} "
+                               f"weights for a {'W8A8' if config.w8a8 else 'float'} configuration")
         self.max_model_len = engine.max_model_len
         self.max_batch_tokens = max_batch_tokens
         self.kv_bytes_per_token = float(engine.kv_bytes_per_token)
@@ -224,6 +227,8 @@ class EngineScorer(Scorer):
         float_bytes = 4 if config.dtype == "float32" else 2
         self.weight_bytes = int(weight_bytes(engine.hf_config, engine.quantized, float_bytes))
         self.info = {"model": path or "embedded SmolLM2-135M-Instruct", "device": str(engine.config.device)}
+        if config.weights == "smoothquant":
+            self.info["calibration"] = calibration_record(path)
 
     def loglikelihood(self, requests, need_greedy=False, progress=None) -> list[Score]:
         from eightbit import SamplingParams
@@ -259,10 +264,30 @@ def build_scorer(config: EvalConfig, *, model=None, device=None, sq_checkpoint=N
     return HFScorer(config, model=model, device=device, max_batch_tokens=options.get("hf_batch_tokens", 4096))
 
 
+def check_float_model(model=None) -> None:
+    """Raise QuantizeError (a ValueError) if `model` is already quantized: every configuration quantizes
+    the float model its own way (or not at all), so an int8 --model would run int8 under every name."""
+    from eightbit.engine.weights import open_checkpoint
+    from eightbit.quant.hf_layers import check_float
+
+    check_float(open_checkpoint(model))
+
+
+def calibration_record(sq_checkpoint) -> dict:
+    """What a result row keeps of a SmoothQuant checkpoint's calibration (its full record stays in its config)."""
+    from eightbit.quant.checkpoint_format import read_calibration_summary
+
+    config = json.loads((Path(sq_checkpoint) / "config.json").read_text())
+    summary = read_calibration_summary(config) or {}
+    return {k: summary[k] for k in ("source_model", "data", "alpha", "sample_tokens") if k in summary}
+
+
 def ensure_sq_checkpoint(path, model=None, progress=True) -> Path:
-    """The SmoothQuant W8A8 checkpoint at `path`, made with `quantize(model, path)` if it is not there."""
+    """The SmoothQuant W8A8 checkpoint at `path`, made with `quantize(model, path)` if it is not there.
+    An existing one must have been made from `model` (its calibration record names the source)."""
     path = Path(path)
     if (path / "config.json").is_file():
+        _check_sq_source(path, model)
         return path
     from eightbit.quant.cli import quantize
 
@@ -271,11 +296,31 @@ def ensure_sq_checkpoint(path, model=None, progress=True) -> Path:
     return path
 
 
+def _check_sq_source(path: Path, model) -> None:
+    from eightbit.engine.weights import open_checkpoint
+    from eightbit.quant.convert import source_model
+
+    recorded = calibration_record(path).get("source_model")
+    wanted = source_model(open_checkpoint(model))
+    if recorded is None:
+        print(f"[eval] note: {path} does not record the model it was made from (an older eightbit made it); "
+              f"using it as the SmoothQuant checkpoint of {wanted}", flush=True)
+    elif recorded != wanted:
+        raise ValueError(f"the SmoothQuant checkpoint {path} was made from {recorded}, not from {wanted}: "
+                         f"pass --sq-checkpoint with one made from this model, or remove {path} to make it anew")
+
+
 def default_sq_checkpoint_dir(model=None) -> Path:
+    """$EIGHTBIT_SQ_CHECKPOINT, else a cache folder named after the model and a hash of its resolved path (two
+    models of the same file name do not share one)."""
     env = os.environ.get(ENV_SQ_CHECKPOINT)
     if env:
         return Path(env)
-    tag = "smollm2-135m" if model is None else Path(str(model)).name.replace(".", "_")
+    if model is None:
+        tag = "smollm2-135m"
+    else:
+        digest = hashlib.sha256(str(Path(str(model)).resolve()).encode()).hexdigest()[:12]
+        tag = f"{Path(str(model)).name.replace('.', '_')}-{digest}"
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eightbit" / "eval"
     return cache / f"{tag}-w8a8-smoothquant"
 

@@ -121,15 +121,17 @@ def load_task(task, data_dir, limit=None) -> list[Item]:
 
 
 def encode_pair(tokenizer, context: str, continuation: str):
-    """lm-eval's split of context/continuation into token ids (no special tokens)."""
+    """lm-eval's split of context/continuation into token ids. Both are encoded with the tokenizer's own special
+    tokens, as lm-eval 0.4 does by default: a BOS in front for tokenizers that add one (Llama 3, Mistral), nothing
+    for SmolLM2's."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         continuation = context[-n_spaces:] + continuation
         context = context[:-n_spaces]
-    whole = tokenizer(context + continuation, add_special_tokens=False).input_ids
-    ctx = tokenizer(context, add_special_tokens=False).input_ids
-    if not ctx:
+    if not context:
         raise ValueError("empty context: lm-eval would prepend an end-of-text token; not supported here")
+    whole = tokenizer(context + continuation).input_ids
+    ctx = tokenizer(context).input_ids
     cont = whole[len(ctx) :]
     if not cont:
         raise ValueError(f"continuation {continuation!r} tokenized to nothing")

@@ -135,6 +135,7 @@ def convert(
         writer.close()
 
         summary = _summary(calibration, alpha, alpha_grid, sample_tokens, records, time.time() - started, device)
+        summary["source_model"] = source_model(checkpoint)
         _write_config(tmp, config, build_quantization_config(scheme, summary))
         for step in tqdm(("generation_config", "tokenizer"), desc="write config/tokenizer", disable=not progress):
             if step == "generation_config" and checkpoint.generation_config is not None:
@@ -142,6 +143,11 @@ def convert(
             elif step == "tokenizer":
                 (tokenizer or checkpoint.load_tokenizer()).save_pretrained(tmp)
     return summary
+
+
+def source_model(checkpoint) -> str:
+    """What a checkpoint records as the model it was made from: the source's resolved path."""
+    return str(Path(checkpoint.path).resolve())
 
 
 def _summary(calibration, alpha, alpha_grid, sample_tokens, records, seconds, device) -> dict:

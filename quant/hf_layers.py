@@ -22,13 +22,20 @@ def already_quantized(path, why: str) -> QuantizeError:
 
 def check_source(checkpoint) -> None:
     """Raise QuantizeError unless the checkpoint is a float model of a family eightbit quantizes."""
+    check_float(checkpoint, config_only=True)
+    check_supported(checkpoint.config)
+    check_float(checkpoint)
+
+
+def check_float(checkpoint, config_only: bool = False) -> None:
+    """Raise QuantizeError if the checkpoint is already quantized: its config says so, or (unless config_only)
+    its first Linear weight is an integer tensor."""
     qc = getattr(checkpoint.config, "quantization_config", None)
     if qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         raise already_quantized(checkpoint.path, f"its config has a quantization_config, quant_method {method!r}")
-    check_supported(checkpoint.config)
     name = "model.layers.0.self_attn.q_proj.weight"  # one Linear tells: they are quantized alike
-    if name in checkpoint.tensor_names():
+    if not config_only and name in checkpoint.tensor_names():
         dtype = checkpoint.get_tensor(name).dtype
         if not dtype.is_floating_point:
             raise already_quantized(checkpoint.path, f"tensor {name!r} is {dtype}")

@@ -102,3 +102,27 @@ def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, mo
     assert "--windows must be >= 1" in capsys.readouterr().err
     assert main(["tasks", "--configs", "fp32", "--limit", "0", "--out", str(tmp_path / "new")]) == 2
     assert "--limit must be >= 1" in capsys.readouterr().err
+
+
+def test_eval_cli_header_and_chart_when_a_configuration_fails(tmp_path, capsys, monkeypatch):
+    """The header counts the scored tokens of the first row that has them, and an earlier run's chart is not
+    left beside a run that draws none."""
+    import eightbit.eval.configs as configs
+    from eightbit.eval.cli import main
+
+    real = configs.build_scorer
+
+    def build(config, **kw):
+        if config.name == "fp32":
+            raise RuntimeError("no fp32 today")
+        return real(config, **kw)
+
+    monkeypatch.setattr(configs, "build_scorer", build)
+    (tmp_path / "ppl.png").write_text("an earlier run's chart")
+    args = ["ppl", "--windows", "1", "--window-size", "48", "--device", "cpu", "--kv-cache-memory-gb", "0.25",
+            "--out", str(tmp_path), "--no-progress", "--overwrite"]
+    assert main(args + ["--configs", "fp32,bf16"]) == 1
+    assert "(47 scored tokens)" in (tmp_path / "ppl.md").read_text()
+    assert (tmp_path / "ppl.png").read_bytes().startswith(b"\x89PNG")
+    assert main(args + ["--configs", "fp32"]) == 1
+    assert "(0 scored tokens)" in (tmp_path / "ppl.md").read_text() and not (tmp_path / "ppl.png").exists()

@@ -42,6 +42,18 @@ def test_encode_pair_moves_trailing_space(tokenizer):
     ctx, cont = encode_pair(tokenizer, "The capital of France is ", "Paris")
     assert ctx == tokenizer("The capital of France is", add_special_tokens=False).input_ids
     assert ctx + cont == tokenizer("The capital of France is Paris", add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="empty context"):
+        encode_pair(tokenizer, "  ", "Paris")
+
+
+def test_encode_pair_keeps_the_bos_of_a_tokenizer_that_adds_one(tokenizer):
+    """lm-eval 0.4 encodes with the tokenizer's defaults, so a Llama-3-like tokenizer's contexts start with BOS."""
+    from eightbit.quant.testing import bos_chat_tokenizer
+
+    bos_tok = bos_chat_tokenizer(tokenizer)
+    ctx, cont = encode_pair(bos_tok, "The capital of France is ", "Paris")
+    plain_ctx, plain_cont = encode_pair(tokenizer, "The capital of France is ", "Paris")
+    assert ctx == [1] + plain_ctx and cont == plain_cont
 
 
 def test_stderr_and_paired_difference_by_hand():

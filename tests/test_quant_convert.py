@@ -332,13 +332,43 @@ def test_an_integer_weight_in_a_later_layer_is_refused(tmp_path, tokenizer, cali
     assert not (tmp_path / "q").exists() and leftovers(tmp_path, "q") == []
 
 
-def test_eval_gets_the_same_error_for_an_already_quantized_model(monkeypatch, converted, calib, tmp_path):
-    from eightbit.eval.configs import ensure_sq_checkpoint
+def test_eval_gets_the_same_error_for_an_already_quantized_model(monkeypatch, converted, calib, tmp_path, capsys):
+    from eightbit.eval.cli import main
+    from eightbit.eval.configs import check_float_model, ensure_sq_checkpoint
 
     monkeypatch.setenv("EIGHTBIT_CALIB_DATA", calib)
     with pytest.raises(QuantizeError, match="is already quantized .*pass the float checkpoint it came from"):
         ensure_sq_checkpoint(tmp_path / "sq", model=converted[0], progress=False)
     assert list(tmp_path.iterdir()) == []
+    # an int8 --model would run int8 weights under every configuration's name (bf16, w8a8-rtn, hf-bf16)
+    with pytest.raises(QuantizeError, match="is already quantized"):
+        check_float_model(converted[0])
+    assert main(["ppl", "--model", str(converted[0]), "--configs", "bf16", "--out", str(tmp_path / "r")]) == 2
+    assert "is already quantized" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_the_calibration_record_names_the_source_and_eval_checks_it(converted, src, tmp_path, monkeypatch):
+    from eightbit.eval.configs import calibration_record, default_sq_checkpoint_dir, ensure_sq_checkpoint
+
+    monkeypatch.delenv("EIGHTBIT_SQ_CHECKPOINT", raising=False)
+    out, summary = converted
+    assert summary["source_model"] == str(src.resolve())
+    record = calibration_record(out)
+    assert record["source_model"] == str(src.resolve()) and record["data"]["num_samples"] == 6
+    assert ensure_sq_checkpoint(out, model=src) == out  # made from this model: reused
+    other = make_tiny_checkpoint(tmp_path / "other" / src.name, tokenizer=make_tiny_tokenizer())
+    with pytest.raises(ValueError, match=f"{out} was made from {src.resolve()}, not from {other.resolve()}"):
+        ensure_sq_checkpoint(out, model=other)
+    from eightbit.eval.configs import CONFIGS, EngineScorer
+
+    scorer = EngineScorer(CONFIGS["w8a8-sq"], model=src, device="cpu", sq_checkpoint=out, kv_cache_memory_gb=0.05,
+                          max_model_len=64)
+    assert scorer.info["calibration"] == record  # each result row says which calibration it measured
+    with pytest.raises(RuntimeError, match="bf16: the engine loaded W8A8 weights for a float configuration"):
+        EngineScorer(CONFIGS["bf16"], model=out, device="cpu", kv_cache_memory_gb=0.05, max_model_len=64)
+    # the default cache folder tells two models of the same folder name apart
+    assert default_sq_checkpoint_dir(src) != default_sq_checkpoint_dir(other)
+    assert default_sq_checkpoint_dir(src).name.startswith(f"{src.name}-")
 
 
 def test_nan_in_a_middle_layer_leaves_nothing(tmp_path, tokenizer, calib):
