@@ -71,7 +71,7 @@ class Scheduler:
             i += 1
         if out.preempted:  # memory is short: let the running ones finish before admitting more
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_seats_for(self.waiting[0]):
             seq = self.waiting[0]
             use_cache = seq.request.prompt_logprobs is None  # scoring needs every prompt position's logits
             cached = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_prefix_cache=use_cache)
@@ -98,7 +98,7 @@ class Scheduler:
         in_step = {id(s) for s in stepped}
         if any(id(s) not in in_step for s in self.running):
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        if self.waiting and self._has_seats_for(self.waiting[0]):
             return None
         # one token takes at most one block per sequence (a new one, or a copy of a shared one), so
         # with this many free every reservation below succeeds: all or nothing, no copy left undone
@@ -109,6 +109,16 @@ class Scheduler:
             out.copies += self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + 1)
             out.scheduled.append((seq, 1))
         return out
+
+    @staticmethod
+    def _seats(seq) -> int:
+        """Running sequences `seq` stands for: a request's first sequence stands for all n of its samples until
+        they fork (when its prompt is done), so that a request's samples always run together."""
+        request = seq.request
+        return request.params.n if len(request.seqs) < request.params.n else 1
+
+    def _has_seats_for(self, seq) -> bool:
+        return sum(map(self._seats, self.running)) + self._seats(seq) <= self.max_num_seqs
 
     @staticmethod
     def _insert(queue, seq):

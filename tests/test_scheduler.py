@@ -58,6 +58,27 @@ def test_max_num_seqs_limits_admission():
     assert seqs[2].status is SequenceStatus.WAITING
 
 
+def test_a_request_with_n_samples_takes_n_seats_before_it_forks():
+    """Its samples join the running set when the prompt is done (the engine forks them without asking the
+    scheduler), so admission counts all n of them: max_num_seqs holds once they have forked."""
+    sched, bm = make(max_seqs=4, budget=100)
+    request = Request("n3", None, [1, 2, 3, 4], SamplingParams(n=3, max_tokens=5))
+    sched.add(request.seqs[0])
+    single = add(sched, 4, start=10)
+    late = add(sched, 4, start=20)
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == [request.seqs[0], single]  # 3 + 1 seats: full
+    assert late.status is SequenceStatus.WAITING
+    finish_step(out)
+    for index in (1, 2):  # what the engine's fork does when the prompt is done
+        child = type(request.seqs[0])(request, request.seqs[0].token_ids, index)
+        child.num_computed_tokens = request.seqs[0].num_computed_tokens
+        bm.fork(request.seqs[0].seq_id, child.seq_id)
+        request.seqs.append(child)
+        sched.add_running(child)
+    assert len(sched.running) == 4 and late not in [s for s, _ in sched.schedule().scheduled]
+
+
 def test_out_of_blocks_preempts_the_latest_and_it_restarts_from_scratch():
     sched, bm = make(num_blocks=4, budget=100)  # 16 slots
     a, b = add(sched, 8), add(sched, 8, start=50)  # both fit exactly: 2 blocks each
