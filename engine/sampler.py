@@ -75,8 +75,9 @@ def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         sorted_x, order = x.sort(dim=-1, descending=True)
         if t.any_top_k:
             k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)
-            rank = torch.arange(vocab, device=x.device)
-            sorted_x = sorted_x.masked_fill(rank.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+            # every token tied with the k-th stays, as in vLLM and HF (ties are common in bf16 logits)
+            kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
         if t.any_top_p:
             probs = sorted_x.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens

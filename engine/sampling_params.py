@@ -22,7 +22,8 @@ class SamplingParams:
     """How to pick the tokens of one request.
 
     ``temperature == 0`` means greedy (argmax); ``top_k`` of -1 or 0 and ``top_p == 1`` and
-    ``min_p == 0`` switch those filters off. ``max_tokens=None`` means up to the context limit.
+    ``min_p == 0`` switch those filters off. ``top_k`` keeps every token tied with the k-th most
+    likely one, as vLLM and HF transformers do. ``max_tokens=None`` means up to the context limit.
     ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None).
     ``logprobs``/``prompt_logprobs`` ask for that many most-likely tokens besides the chosen one;
     their values are the model's raw log-softmax, before temperature and top-k/top-p/min-p.

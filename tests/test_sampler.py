@@ -21,9 +21,9 @@ def ref_probs(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
         return [v / sum(e) for v in e]
 
     order = sorted(range(len(x)), key=lambda i: -x[i])
-    if top_k > 0:
-        for i in order[top_k:]:
-            x[i] = NEG_INF
+    if top_k > 0:  # every token tied with the k-th stays (vLLM, HF)
+        kth = x[order[min(top_k, len(x)) - 1]]
+        x = [v if v >= kth else NEG_INF for v in x]
     if top_p < 1:
         p, mass = softmax(x), 0.0
         for i in order:
@@ -69,6 +69,12 @@ def test_filter_masks_hand_computed(kw, expected):
     assert kept(LOGP4_PERM, **kw) == sorted(PERM[i] for i in expected)
     ref = ref_probs(LOGP4, **{"top_k": -1, **kw})
     assert [i for i, p in enumerate(ref) if p > 0] == expected
+
+
+@pytest.mark.parametrize("k, expected", [(1, [0]), (2, [0, 1, 2, 3]), (4, [0, 1, 2, 3]), (5, [0, 1, 2, 3, 4])])
+def test_top_k_keeps_every_token_tied_with_the_kth(k, expected):
+    assert kept([2.0, 1.0, 1.0, 1.0, 0.0], top_k=k) == expected
+    assert [i for i, p in enumerate(ref_probs([2.0, 1.0, 1.0, 1.0, 0.0], top_k=k)) if p > 0] == expected
 
 
 def test_filters_match_reference_on_random_rows():
