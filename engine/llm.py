@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from eightbit.engine.chat import render_chat
 from eightbit.engine.config import EngineConfig
-from eightbit.engine.llm_engine import LLMEngine
+from eightbit.engine.llm_engine import LLMEngine, as_token_id
 from eightbit.engine.sampling_params import SamplingParams
 
 
@@ -80,7 +80,10 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm=True):
         """messages: one conversation (a list of {"role", "content"}) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages must be a conversation (a non-empty list of messages) or a non-empty list of "
+                             f"them, got {messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         for conversation in conversations:
             _check_conversation(conversation)
         tokenizer = self.get_tokenizer()
@@ -108,8 +111,8 @@ class LLM:
     @staticmethod
     def _as_list(prompts):
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            return [prompts]
+                                        and as_token_id(prompts[0]) is not None):
+            return [prompts]  # one prompt of token ids (Python, numpy or torch integers)
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
                             f"got {type(prompts).__name__}")

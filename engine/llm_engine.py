@@ -181,7 +181,7 @@ class LLMEngine:
         if not prompt:
             raise ValueError("prompt is empty")
         vocab = self.hf_config.vocab_size
-        token_ids = [_as_token_id(t) for t in prompt]  # numpy and torch integers too
+        token_ids = [as_token_id(t) for t in prompt]  # numpy and torch integers too
         bad = [t for t, i in zip(prompt, token_ids) if i is None or not 0 <= i < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in the vocabulary [0, {vocab}), got {bad[:5]}")
@@ -373,7 +373,7 @@ class LLMEngine:
                              request.prompt_logprobs, outputs, finished)
 
 
-def _as_token_id(t):
+def as_token_id(t):
     """t as a Python int if it is an integer of any kind (not a bool or float), else None."""
     if isinstance(t, bool):
         return None

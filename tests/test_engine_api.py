@@ -174,6 +174,7 @@ def test_numpy_and_torch_token_ids_are_prompts_like_ints(llm):
     want = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
     for other in (np.array(ids), torch.tensor(ids)):
         assert llm.generate([list(other)], params, use_tqdm=False)[0].outputs[0].token_ids == want
+        assert llm.generate(list(other), params, use_tqdm=False)[0].outputs[0].token_ids == want  # one prompt
     with pytest.raises(ValueError, match=r"integers in the vocabulary.*\[1.5\]"):
         llm.generate([[1, 1.5]], use_tqdm=False)
 
@@ -196,7 +197,7 @@ def test_prompts_of_the_wrong_type_are_named(llm, prompts, message):
         llm.generate(prompts, use_tqdm=False)
 
 
-@pytest.mark.parametrize("messages", [[{"content": "Hi"}], [{"role": "user"}], [[]], ["Hi"]])
+@pytest.mark.parametrize("messages", [[{"content": "Hi"}], [{"role": "user"}], [[]], ["Hi"], [], None])
 def test_chat_messages_without_role_or_content_are_a_clear_error(llm, messages):
     with pytest.raises(ValueError, match="role|conversation"):
         llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -210,6 +211,18 @@ def test_abort_frees_blocks_at_once(llm):
     assert engine.block_manager.num_used_blocks > 0
     engine.abort("long")
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_max_num_seqs_holds_for_requests_with_several_samples(make_llm):
+    """A request's n samples fork when its prompt is done; admission saves them their seats."""
+    llm = make_llm(max_num_seqs=4)
+    engine, peak = llm.engine, []
+    step = engine.step
+    monkey = lambda: (peak.append(len(engine.scheduler.running)), step())[1]  # noqa: E731
+    engine.step = monkey
+    outs = llm.generate(PROMPTS[:4], SamplingParams(n=4, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [4] * 4 and max(peak) == 4
+    _assert_idle(engine)
 
 
 def test_priority_runs_first_when_only_one_fits(make_llm):
