@@ -214,7 +214,7 @@ def num_splits_for(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens
     """The split count decode_attention will use for these inputs."""
     quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                                           "decode_attention")
-    ws = quant and _ws_ok(q, k_cache, v_cache, k_scale, block_tables, group)
+    ws = quant and _ws_ok(q, k_cache, v_cache, k_scale, v_scale, block_tables, group)
     return _split_count(q, k_cache, block_tables, ws)
 
 
@@ -246,7 +246,7 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    ws = quant and _ws_ok(q, k_cache, v_cache, k_scale, block_tables, group)
+    ws = quant and _ws_ok(q, k_cache, v_cache, k_scale, v_scale, block_tables, group)
     splits = int(num_splits) if num_splits else _split_count(q, k_cache, block_tables, ws)
     if splits > 1:
         part_out = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
@@ -339,11 +339,11 @@ def merge_chunk(splits):
     return min(REDUCE_CHUNK, next((c for c in REDUCE_CHUNKS if c >= splits), REDUCE_CHUNK))
 
 
-def _ws_ok(q, k_cache, v_cache, k_scale, block_tables, group):
+def _ws_ok(q, k_cache, v_cache, k_scale, v_scale, block_tables, group):
     """Whether the warp-specialized Hopper kernel (decode_attention_hopper.py) takes this call: compiled CUDA
     tensors, enough (sequence, kv head) pairs (attention_configs.DECODE_WS_MIN_PROGRAMS), and what ws_ok asks."""
     if not q.is_cuda or not compiled() or q.shape[0] * k_cache.shape[2] < attention_configs.DECODE_WS_MIN_PROGRAMS:
         return False
     from .decode_attention_hopper import ws_ok
 
-    return ws_ok(q, k_cache, v_cache, k_scale, block_tables, group)
+    return ws_ok(q, k_cache, v_cache, k_scale, v_scale, block_tables, group)

@@ -512,21 +512,22 @@ KW = 4  # operand elements per thread along k: four int8 values are one 32-bit s
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
 
 
-def ws_ok(q, k_cache, v_cache, k_scale, block_tables, group):
+def ws_ok(q, k_cache, v_cache, k_scale, v_scale, block_tables, group):
     """For compiled CUDA tensors over an int8 cache that decode_attention has checked: sm_90, pages of 16 keys
     (the engine's; V's TMA rows are one page of bytes, at least 16; other sizes are untested on a GPU),
-    contiguous caches and scales with 16-byte aligned bases, int32 block tables (TMA coordinates are 32-bit),
-    and NG * QPK_PAD == 16 (one mma row block)."""
+    contiguous caches and float16 scales (the kernel's scale buffers are float16) with 16-byte aligned bases,
+    int32 block tables (TMA coordinates are 32-bit), and NG * QPK_PAD == 16 (one mma row block)."""
     if not is_sm90(q.device):
         return False
     _, page, hkv, d = k_cache.shape
     ng = d // group
     qpk = q.shape[1] // hkv
     rows = max(triton.next_power_of_2(qpk), triton.cdiv(16, ng)) * ng
-    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, k_scale))
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, k_scale, v_scale))
     return (page == 16 and d <= 256 and (d * page) % 128 == 0 and ng in (2, 4, 8) and rows == 16 and aligned
             and block_tables.dtype == torch.int32
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous())
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous()
+            and k_scale.dtype == v_scale.dtype == torch.float16)
 
 
 # V pages land unswizzled: the bytes of a [1, D, page] tile are the bytes of its [1, D * page / 128, 128] box

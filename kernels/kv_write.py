@@ -157,8 +157,9 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         raise ValueError(f"the cache must be int8 or a float dtype, got {k_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the caches' last dim and head_dim of k and v must be contiguous (stride 1)")
-    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32/int64 [T={t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64) or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping must be a contiguous int32/int64 [T={t}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
     tensors = [k, v, k_cache, v_cache, slot_mapping] + ([k_scale, v_scale] if quant else [])
     dev = k.device
     for x in tensors:
@@ -176,8 +177,9 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
     if rope:
         if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d or q.stride(-1) != 1:
             raise ValueError(f"q must be [T={t}, Hq, D={d}] with a contiguous last dim, got {tuple(q.shape)}")
-        if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}")
+        if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64) or not positions.is_contiguous():
+            raise ValueError(f"positions must be a contiguous int32/int64 [T={t}], got {positions.dtype} "
+                             f"{tuple(positions.shape)} strides {positions.stride()}")
         if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.stride(-1) != 1:
             raise ValueError(f"cos_sin_cache must be [max_pos, D={d}] (cos | sin), got {tuple(cos_sin_cache.shape)}")
         for x in (q, positions, cos_sin_cache):

@@ -301,8 +301,8 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     if k_cache.stride(-1) != 1 or q.stride(-1) != 1 or not v_ok:
         raise ValueError(f"{name}: q and k_cache need a contiguous head_dim, and v_cache "
                          f"{'contiguous, 16-aligned blocks' if quant else 'the strides of k_cache'}")
-    if quant and page & (page - 1):
-        raise ValueError(f"{name}: an int8 cache needs a power-of-two block_size, got {page}")
+    if page & (page - 1):  # the kernels split a key index into (page, offset) by shifts and masks
+        raise ValueError(f"{name}: the cache needs a power-of-two block_size, got {page}")
     group = d
     if quant:
         if k_scale is None or v_scale is None:
@@ -324,8 +324,9 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
         raise ValueError(f"{name}: block_tables must be int32/int64 [B, max_blocks] (rows contiguous), "
                          f"got {block_tables.dtype} {tuple(block_tables.shape)}")
     b = block_tables.shape[0]
-    if seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: seq_lens must be int32/int64 [B={b}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64) or not seq_lens.is_contiguous():
+        raise ValueError(f"{name}: seq_lens must be a contiguous int32/int64 [B={b}], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)} strides {seq_lens.stride()}")
     for x in (k_cache, v_cache, block_tables, seq_lens) + ((k_scale, v_scale) if quant else ()):
         if x.device != q.device:
             raise ValueError(f"{name}: all tensors must be on q's device {q.device}, found {x.device}")
@@ -379,9 +380,10 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                                           "prefill_attention")
     b = block_tables.shape[0]
-    if cu_seqlens_q.shape != (b + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"prefill_attention: cu_seqlens_q must be int32/int64 [B+1={b + 1}], "
-                         f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
+    if (cu_seqlens_q.shape != (b + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64)
+            or not cu_seqlens_q.is_contiguous()):
+        raise ValueError(f"prefill_attention: cu_seqlens_q must be a contiguous int32/int64 [B+1={b + 1}], "
+                         f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)} strides {cu_seqlens_q.stride()}")
     if cu_seqlens_q.device != q.device:
         raise ValueError(f"prefill_attention: cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
     t, hq, d = q.shape

@@ -75,7 +75,9 @@ def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
 def _int8_matmul(a, b):
     # torch._int_mm wants M > 16 on CUDA and K, N multiples of 8; on the CPU it takes any shape.
     if a.device.type == "cpu":
-        return torch._int_mm(a.contiguous(), b.t().contiguous())
+        # clone, not contiguous(): at K = 1, b.t() [1, N] counts as contiguous with strides (1, 1), which _int_mm
+        # misreads
+        return torch._int_mm(a.contiguous(), b.t().clone(memory_format=torch.contiguous_format))
     return (a.double() @ b.double().t()).to(torch.int32)  # exact: |sum| < 2^53
 
 
@@ -194,7 +196,7 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_le
     """One query per sequence: q [B, Hq, D] at position seq_lens[b] - 1. Returns [B, Hq, D].
 
     Batched over sequences: every block table is gathered to its full width and the
-    keys past each sequence's length are masked out.
+    keys past each sequence's length are masked out. A sequence of length 0 (a padded slot) gives zeros.
     """
     b, hq, d = q.shape
     k = gather_kv_padded(k_cache, k_scale, block_tables)  # [B, L, Hkv, D]
@@ -204,6 +206,7 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_le
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * softmax_scale
     past_end = torch.arange(k.shape[1], device=q.device) >= seq_lens.view(b, 1, 1, 1)
     probs = scores.masked_fill(past_end, float("-inf")).softmax(dim=-1)
+    probs = probs.masked_fill((seq_lens == 0).view(b, 1, 1, 1), 0.0)  # no keys: zeros, as the kernels give
     v = v.masked_fill(past_end.view(b, -1, 1, 1), 0.0)  # never-written slots may hold NaN: 0 * NaN = NaN
     return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(b, hq, d).to(q.dtype)
 

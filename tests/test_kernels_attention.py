@@ -231,6 +231,8 @@ def test_kv_write_rejects_bad_inputs():
         kv_write(k, k, kc, vc, None, None, slots)
     with pytest.raises(ValueError, match="slot_mapping"):
         kv_write(k, k, kc, vc, ks, vs, slots.float())
+    with pytest.raises(ValueError, match="slot_mapping must be a contiguous"):  # a column: other rows' slots
+        kv_write(k, k, kc, vc, ks, vs, torch.stack([slots, slots + 8], 1)[:, 0])
     with pytest.raises(ValueError, match="heads/head_dim"):
         kv_write(torch.randn(4, 3, 64, dtype=torch.float16), torch.randn(4, 3, 64, dtype=torch.float16),
                  kc, vc, ks, vs, slots)
@@ -385,6 +387,8 @@ def test_decode_padded_slot_gives_zeros_and_default_signature(monkeypatch):
         close(out[[0, 2]], ref[[0, 2]], TOL[torch.float16])
     out = decode_attention(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125)
     close(out, decode_ref(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125), TOL[torch.float16])
+    # the batched reference (the CPU backend) gives the kernels' zeros for the padded slot too, not NaN
+    assert torch.equal(R.decode_attention(q, *sc.caches, sc.block_tables, seq_lens, 0.125)[1], torch.zeros_like(out[1]))
 
 
 @cpu_only
@@ -501,6 +505,18 @@ def test_attention_rejects_bad_inputs():
     with pytest.raises(ValueError, match="contiguous, 16-aligned blocks"):
         decode_attention(q, kc, vc.transpose(2, 3).contiguous().transpose(2, 3), ks, vs, sc.block_tables,
                          sc.seq_lens, 0.1)
+    # 1-D metadata the kernels read as contiguous: a column of a wider tensor would be read at the wrong rows
+    two = Scenario([(20, 1), (9, 1)], 8, 2, 64, torch.int8, 32)
+    q2 = torch.randn(2, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="seq_lens must be a contiguous"):
+        decode_attention(q2, *two.caches, two.block_tables, torch.stack([two.seq_lens, two.seq_lens], 1)[:, 0], 0.1)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a contiguous"):
+        prefill_attention(q2, *two.caches, two.block_tables, torch.stack([two.cu, two.cu], 1)[:, 0], two.seq_lens,
+                          0.1)
+    # a float cache's block_size must be a power of two too: decode splits key indices by shifts and masks
+    odd = Scenario([(20, 1)], 8, 2, 64, torch.float16, 64, page=24)
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        decode_attention(q, *odd.caches, odd.block_tables, odd.seq_lens, 0.1)
     # a float V is read with K's offsets: a V cache with another block stride must be refused
     fs = Scenario([(20, 1)], 8, 2, 64, torch.float16, 64)
     fk, fv, _, _ = fs.caches
@@ -818,7 +834,7 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
     sc = Scenario(seqs, hq, hkv, d, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=hq)
     q = torch.randn(len(seqs), hq, d, device="cuda", dtype=torch.bfloat16)
     args = (*sc.caches, sc.block_tables, sc.seq_lens, d ** -0.5)
-    assert H.ws_ok(q, sc.caches[0], sc.caches[1], sc.caches[2], sc.block_tables, 32)
+    assert H.ws_ok(q, *sc.caches, sc.block_tables, 32)
     monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
     ws = decode_attention_splits(q, *args, splits)
     _check_fa_rule(ws, q, sc, d ** -0.5)
@@ -828,9 +844,14 @@ def test_gpu_decode_ws_kernel(monkeypatch, hq, hkv, d, splits, small_grid, merge
     monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
     if splits is None and not small_grid:  # int64 block tables: the Triton kernel (the TMA coordinates are 32-bit)
         wide = sc.block_tables.long()
-        assert not H.ws_ok(q, sc.caches[0], sc.caches[1], sc.caches[2], wide, 32)
+        assert not H.ws_ok(q, *sc.caches, wide, 32)
         torch.testing.assert_close(decode_attention_splits(q, *sc.caches, wide, sc.seq_lens, d ** -0.5, None),
                                    triton_out, rtol=0, atol=0)
+        # float32 scales: the Gluon kernel's scale buffers are float16, so the Triton kernel runs them
+        kc, vc, ks, vs = sc.caches
+        assert not H.ws_ok(q, kc, vc, ks.float(), vs.float(), sc.block_tables, 32)
+        torch.testing.assert_close(decode_attention_splits(q, kc, vc, ks.float(), vs.float(), sc.block_tables,
+                                                           sc.seq_lens, d ** -0.5, None), triton_out, rtol=0, atol=0)
     monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", False)  # work items in batch order: the same bits
     torch.testing.assert_close(decode_attention_splits(q, *args, splits), ws, rtol=0, atol=0)
     monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", True)

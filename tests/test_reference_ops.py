@@ -99,6 +99,15 @@ def test_quantization_of_rows_too_small_for_127_over_absmax():
     torch.testing.assert_close(scale, w.abs().amax(1, keepdim=True) / 127, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("m, n, k", [(3, 5, 1), (1, 4, 1), (2, 3, 2), (17, 8, 1)])
+def test_int8_matmul_is_exact_at_any_k(m, n, k):
+    """At K = 1, w.t() [1, N] counts as contiguous with strides (1, 1), which torch._int_mm misread."""
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    assert torch.equal(R._int8_matmul(a, b), a.long().matmul(b.long().t()).int())
+
+
 def test_rms_norm_and_int8_gemm_by_hand():
     x = torch.tensor([[3.0, 4.0]])
     out, res = R.rms_norm(x, torch.tensor([1.0, 2.0]), 0.0, residual=torch.tensor([[1.0, 0.0]]))
