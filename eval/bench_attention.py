@@ -6,7 +6,9 @@
 2. (--sweep) a few block-size candidates per kernel at the goal shapes; the best is used for
    the rest of the run and printed, so it can be committed to kernels/attention_configs.py.
 3. Prefill, causal, full-sequence: TFLOP/s of ours (bf16 cache, int8 cache) vs SDPA bf16
-   (cuDNN and flash backends), d in {64, 128}, seq 512..8192, 32 q / 8 kv heads.
+   (cuDNN and flash backends, with GQA: enable_gqa, or K/V expanded where a backend refuses it), d in {64, 128},
+   seq 512..8192, 32 q / 8 kv heads. Every kernel's output is checked against kernels/reference.py before it is
+   timed (a wrong result stops the run).
 4. Decode, 32 q / 8 kv heads, d=128: batch (1, 8, 16, 32, 64, 256) x context (512-32k); ours int8 /
    bf16 over a paged cache (random block permutation) and over an identity table (contiguous), vs SDPA
    bf16 on contiguous [B, Hkv, S, D]; each timed by replaying a CUDA graph of calls over several cache
@@ -26,6 +28,8 @@ import time
 import traceback
 
 import torch
+
+from eightbit.kernels import reference as R
 
 HQ, HKV, PAGE = 32, 8, 16
 GROUP = 32
@@ -106,13 +110,20 @@ def _median_ms(run, min_ms, max_reps):
 
 
 def copy_bandwidth():
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    b = torch.empty_like(a)
-    ms = time_eager(lambda: b.copy_(a), 200)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n / (ms * 1e-3) / 1e9  # GB/s, read + write
+    """GB/s read + written: the best of a memcpy, a torch elementwise copy and a Triton copy kernel of 1 GiB
+    (bench_common.measure_copy_bandwidth, what every benchmark uses)."""
+    from eightbit.eval.bench_common import measure_copy_bandwidth
+
+    return measure_copy_bandwidth()["best_gbs"]
+
+
+def check_close(name, out, ref, tol=2e-2):
+    """Stop the run unless `out` is within `tol` of the plain-torch reference (NaN fails): a wrong kernel is an
+    error, never a timing. Returns the max abs error."""
+    err = (out.float() - ref.float()).abs().max().item()
+    if not err <= tol:
+        raise RuntimeError(f"{name}: max abs error {err:.3g} against kernels/reference.py (> {tol}): not timed")
+    return err
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -208,31 +219,43 @@ def prefill_case(d, seq, kinds=("bf16", "int8"), sdpa=True, total_tokens=16384):
     q = torch.randn(b * seq, HQ, d, device="cuda", dtype=torch.bfloat16)
     for kind in kinds:
         caches = make_cache(nblk, d, kind)
+        # before timing: the first sequence's output against the plain-torch reference (float32)
+        out = prefill_attention(q, *caches, bt, cu, sl, d ** -0.5)[:seq]
+        ref = R.prefill_attention(q[:seq], *caches, bt[:1], cu[:2], sl[:1], d ** -0.5)
+        row[f"ours_{kind}_max_abs_err"] = check_close(f"prefill_attention {kind} d={d} seq={seq}", out, ref)
+        del out, ref
         ms = time_eager(lambda: prefill_attention(q, *caches, bt, cu, sl, d ** -0.5))
         row[f"ours_{kind}_ms"] = ms
         row[f"ours_{kind}_tflops"] = flops / ms / 1e9
-        if kind == "bf16" and sdpa:  # sanity: ours vs SDPA on the same data
-            kd = caches[0][bt.long()].flatten(1, 2).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
-            vd = caches[1][bt.long()].flatten(1, 2).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
-            qd = q.view(b, seq, HQ, d).transpose(1, 2)
-            ref = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-            out = prefill_attention(q, *caches, bt, cu, sl, d ** -0.5).view(b, seq, HQ, d).transpose(1, 2)
-            row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
-            del kd, vd, ref, out
         del caches
-    if sdpa:
+    if sdpa:  # the same GQA shapes: 32 query heads over 8 kv heads
         qs = torch.randn(b, HQ, seq, d, device="cuda", dtype=torch.bfloat16)
-        ks, vs = torch.randn_like(qs), torch.randn_like(qs)
+        ks = torch.randn(b, HKV, seq, d, device="cuda", dtype=torch.bfloat16)
+        vs = torch.randn_like(ks)
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:
-                with sdpa_kernel(be):
-                    ms = time_eager(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
-                row[f"sdpa_{name}_ms"] = ms
-                row[f"sdpa_{name}_tflops"] = flops / ms / 1e9
+                row[f"sdpa_{name}_ms"], row[f"sdpa_{name}_kv_heads"] = _time_sdpa_prefill(be, qs, ks, vs)
+                row[f"sdpa_{name}_tflops"] = flops / row[f"sdpa_{name}_ms"] / 1e9
             except Exception as e:  # backend not available for this shape
                 row[f"sdpa_{name}_error"] = str(e)[:200]
     torch.cuda.empty_cache()
     return row
+
+
+def _time_sdpa_prefill(backend, q, k, v):
+    """ms of causal SDPA on one backend with GQA (enable_gqa); a backend that refuses GQA gets K and V expanded to
+    the query heads, as a caller without GQA support would pass them. Returns (ms, the kv heads it ran with)."""
+    from torch.nn.attention import sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(backend):
+        try:
+            sdpa(q, k, v, is_causal=True, enable_gqa=True)
+            return time_eager(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True)), k.shape[1]
+        except RuntimeError:
+            group = q.shape[1] // k.shape[1]
+            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            return time_eager(lambda: sdpa(q, ke, ve, is_causal=True)), ke.shape[1]
 
 
 # --- decode --------------------------------------------------------------------------------
@@ -265,6 +288,12 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
         row[f"{kind}_splits"] = num_splits_for(q, *caches, tables["paged"][0], sl)  # per kernel
         for layout in ("paged", "contig") if contiguous else ("paged",):
             for name, fn in impls.items():
+                # before timing: the first sequences' outputs against the plain-torch reference (float32)
+                few = min(batch, 2)
+                out = fn(q, *caches, tables[layout][0], sl, d ** -0.5)[:few]
+                ref = R.decode_attention(q[:few], *caches, tables[layout][0][:few], sl[:few], d ** -0.5)
+                check_close(f"{name} decode {kind} {layout} {batch} x {ctx}", out, ref)
+                del out, ref
                 fns = [lambda t=t, fn=fn: fn(q, *caches, t, sl, d ** -0.5) for t in tables[layout]]
                 ms = time_graph(fns)
                 row[f"{name}_{kind}_{layout}_ms"] = ms
@@ -462,15 +491,19 @@ def print_tables(res):
           f"decode graph replays of ~{res.get('decode_replay_ms', 0):g} ms)")
     if res.get("chosen"):
         print("chosen configs:", json.dumps(res["chosen"]))
-    print("\nprefill causal, 32q/8kv heads, TFLOP/s")
-    print(f"{'d':>4} {'seq':>5} {'B':>3} | {'ours bf16':>9} {'ours int8':>9} | {'cudnn':>6} {'flash':>6} | {'/flash':>6} {'/cudnn':>6}")
+    print("\nprefill causal, 32q/8kv heads, TFLOP/s (SDPA kv heads: 8 = GQA, 32 = K/V expanded for a backend "
+          "without it); each kernel checked against kernels/reference.py before timing")
+    print(f"{'d':>4} {'seq':>5} {'B':>3} | {'ours bf16':>9} {'ours int8':>9} | {'cudnn':>6} {'flash':>6} | {'/flash':>6} {'/cudnn':>6}"
+          f" | sdpa kv heads")
     for r in res["prefill"]:
         if "error" in r:
             print(r)
             continue
         ob, oi = r.get("ours_bf16_tflops", 0), r.get("ours_int8_tflops", 0)
         cd, fl = r.get("sdpa_cudnn_tflops", float("nan")), r.get("sdpa_flash_tflops", float("nan"))
-        print(f"{r['d']:>4} {r['seq']:>5} {r['batch']:>3} | {ob:9.0f} {oi:9.0f} | {cd:6.0f} {fl:6.0f} | {ob / fl:6.2f} {ob / cd:6.2f}")
+        heads = f"{r.get('sdpa_cudnn_kv_heads', '-')}/{r.get('sdpa_flash_kv_heads', '-')}"
+        print(f"{r['d']:>4} {r['seq']:>5} {r['batch']:>3} | {ob:9.0f} {oi:9.0f} | {cd:6.0f} {fl:6.0f} | {ob / fl:6.2f} {ob / cd:6.2f}"
+              f" | {heads}")
     print("\ndecode d=128 32q/8kv, GB/s (% of copy bw); ratios")
     print(f"{'B':>4} {'ctx':>6} {'sp i8/bf':>9} | {'int8 paged':>15} {'int8 ctg':>8} | {'bf16 paged':>15} {'bf16 ctg':>8} | "
           f"{'sdpa bf16':>15} | {'i8/sdpa t':>9} {'bf16 pg/ctg':>11} | {'int8 ms':>8}")

@@ -9,8 +9,15 @@ linear shapes (qkv, o, gate_up, down) and M in {1, 8, ..., 8192}:
 * bf16  F.linear (cuBLAS), bf16 weights
 * int_mm  torch._int_mm + dequant in plain torch (M > 16 only: it refuses smaller M);
   int_mm_only (in the JSON) is torch._int_mm alone, int32 out
-* ours_gemm  int8_gemm alone (the activation already quantized)
+* ours_gemm  int8_gemm alone (the activation already quantized), GEMM after GEMM in the PDL chain
+  (kernels/pdl.py, sm_90): each call's programs start, and prefetch their first weight lines, while the call
+  before finishes, as a decode GEMM's do behind its producer in the engine
+* ours_gemm_nochain  the same without the chain: a call starts when the one before has ended, as cuBLAS's do
 * ours  quant_per_token + int8_gemm (what a linear layer without a fused producer costs)
+
+Before any timing, our GEMM's output is checked against the exact product (float64, scales applied in
+float32, rounded to bf16) and _int_mm's against the same: a wrong result stops the run, it is never timed.
+M also takes values between the tuned table's buckets (MID_M), whose configs were tuned at another M.
 
 Every variant is timed as CUDA-graph replays (no launch gaps) over several copies
 of the weights, rotated, so their bytes exceed the L2 cache and every call reads
@@ -34,6 +41,7 @@ MODELS = {
     "llama3.2-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
 }
 M_LIST = (1, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
+MID_M = (12, 48, 100, 160, 384, 600, 1500, 3000, 6000)  # between gemm_configs.M_BUCKETS
 ROTATE_BYTES = 320 * 2**20  # weight copies per variant: at least this many bytes, > the 50-60 MB L2
 
 
@@ -77,14 +85,29 @@ def time_graph(fns, target_ms=3.0, replays=5):
 
 
 def copy_bandwidth():
-    """Bytes read + written per second of a 1 GiB device-to-device copy (GB/s)."""
-    src = torch.randn(2**28, device="cuda")  # 1 GiB of float32
-    dst = torch.empty_like(src)
-    # the faster of a memcpy node and an elementwise copy kernel (memcpy was the slower one on an H200)
-    us = min(min(time_graph([lambda: dst.copy_(src)], target_ms=50),
-                 time_graph([lambda: torch.mul(src, 1.0, out=dst)], target_ms=50)) for _ in range(2))
-    del src, dst
-    return 2 * 2**30 / (us * 1e-6) / 1e9
+    """Bytes read + written per second of a 1 GiB device-to-device copy (GB/s): the best of a memcpy, a torch
+    elementwise copy and a Triton copy kernel (bench_common.measure_copy_bandwidth, what every benchmark uses)."""
+    from eightbit.eval.bench_common import measure_copy_bandwidth
+
+    return measure_copy_bandwidth()["best_gbs"]
+
+
+def check_gemm(name, out, want):
+    """Stop the run if `out` (bf16) is not `want` (the exact product, scaled, in bf16) up to one bf16 rounding."""
+    if not torch.allclose(out.float(), want.float(), rtol=2**-7, atol=1e-6):
+        err = (out.float() - want.float()).abs().max().item()
+        raise RuntimeError(f"{name} gives a wrong result (max abs error {err:.3g}): not timed")
+
+
+def with_chain(enabled, fn):
+    """fn() with the PDL chain (kernels/pdl.CHAIN) on or off."""
+    from eightbit.kernels import pdl
+
+    saved, pdl.CHAIN = pdl.CHAIN, enabled
+    try:
+        return fn()
+    finally:
+        pdl.CHAIN = saved
 
 
 def bench_linear(m, n, k, with_int_mm=True):
@@ -98,7 +121,11 @@ def bench_linear(m, n, k, with_int_mm=True):
     nc8 = n_copies(n * k)
     wq = [torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8) for _ in range(nc8)]
     ws = [torch.rand(n, 1, device=dev) * 0.01 for _ in range(nc8)]
-    res["ours_gemm"] = time_graph([lambda i=i: int8_gemm(xq, xs, wq[i], ws[i]) for i in range(nc8)])
+    want = ((xq.double() @ wq[0].double().t()).float() * xs * ws[0].view(1, -1)).to(torch.bfloat16)
+    check_gemm(f"int8_gemm at M={m} N={n} K={k}", int8_gemm(xq, xs, wq[0], ws[0]), want)
+    gemm_calls = [lambda i=i: int8_gemm(xq, xs, wq[i], ws[i]) for i in range(nc8)]
+    res["ours_gemm"] = time_graph(gemm_calls)
+    res["ours_gemm_nochain"] = with_chain(False, lambda: time_graph(gemm_calls))
 
     def ours(i):
         q, s = quant_per_token(x)
@@ -113,11 +140,12 @@ def bench_linear(m, n, k, with_int_mm=True):
             return (acc.float() * xs * ws[i].view(1, -1)).to(torch.bfloat16)
 
         try:
+            check_gemm(f"torch._int_mm + dequant at M={m} N={n} K={k}", int_mm(0), want)
             res["int_mm"] = time_graph([lambda i=i: int_mm(i) for i in range(nc8)])
             res["int_mm_only"] = time_graph([lambda i=i: torch._int_mm(xq, wt[i]) for i in range(nc8)])
         except RuntimeError as e:
             print(f"  _int_mm failed at M={m} N={n} K={k}: {str(e)[:100]}", file=sys.stderr)
-    del wq, ws
+    del wq, ws, want
     nc16 = n_copies(2 * n * k)
     wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(nc16)]
     res["bf16"] = time_graph([lambda i=i: F.linear(x, wb[i]) for i in range(nc16)])
@@ -165,7 +193,7 @@ def main(argv=None):
     copy_gbs = max(copy_gbs, copy_bandwidth())
     print(f"device: {dev_name}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
     models = {"llama3-8b": MODELS["llama3-8b"]} if args.quick else MODELS
-    m_list = (1, 16, 64, 1024, 4096) if args.quick else M_LIST
+    m_list = (1, 16, 64, 1024, 4096) if args.quick else tuple(sorted(M_LIST + MID_M))
     if args.decode:
         models, m_list = MODELS, (1, 2, 4, 8, 16)
     lin = []
@@ -201,19 +229,29 @@ def main(argv=None):
 def render_markdown(dev_name, copy_gbs, lin, rows):
     out = [f"Device: {dev_name}; device-to-device copy {copy_gbs:.0f} GB/s (read + write). "
            f"int8 peak taken as {INT8_PEAK_TOPS:.0f} TOP/s.", ""]
-    out.append("| model | op | M | bf16 µs | int_mm+dq µs | ours µs (quant+gemm) | gemm µs | gemm TOP/s | % int8 peak "
-               "| gemm weight GB/s | % copy bw | bf16/ours | bf16/gemm | int_mm/gemm |")
-    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out.append("`gemm` is timed GEMM after GEMM in the PDL chain (sm_90: each call starts while the one before "
+               "finishes), `no chain` without it, as cuBLAS runs; `int_mm` is torch._int_mm alone (int32 out), "
+               "`+dq` with its dequantization in plain torch. M values between the tuned buckets use the next "
+               "bucket's config.")
+    out.append("")
+    out.append("| model | op | M | bf16 µs | int_mm µs | int_mm+dq µs | ours µs (quant+gemm) | gemm µs | gemm µs, no chain "
+               "| gemm TOP/s | % int8 peak | gemm weight GB/s | % copy bw | % copy bw, no chain | bf16/ours | bf16/gemm "
+               "| bf16/gemm, no chain | int_mm+dq/gemm |")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def opt(v, fmt="{:.1f}"):
+        return fmt.format(v) if v else "—"
+
     for r in lin:
-        im = r.get("us_int_mm")
+        im, nc = r.get("us_int_mm"), r.get("us_ours_gemm_nochain")
         out.append(
-            f"| {r['model']} | {r['op']} | {r['m']} | {r['us_bf16']:.1f} | {im:.1f} | " if im else
-            f"| {r['model']} | {r['op']} | {r['m']} | {r['us_bf16']:.1f} | — | ")
-        out[-1] += (
-            f"{r['us_ours']:.1f} | {r['us_ours_gemm']:.1f} | {r['tops_ours_gemm']:.0f} | "
+            f"| {r['model']} | {r['op']} | {r['m']} | {r['us_bf16']:.1f} | {opt(r.get('us_int_mm_only'))} | {opt(im)} | "
+            f"{r['us_ours']:.1f} | {r['us_ours_gemm']:.1f} | {opt(nc)} | {r['tops_ours_gemm']:.0f} | "
             f"{100 * r['tops_ours_gemm'] / INT8_PEAK_TOPS:.0f}% | {r['wgbs_ours_gemm']:.0f} | "
-            f"{100 * r['wgbs_ours_gemm'] / copy_gbs:.0f}% | {r['us_bf16'] / r['us_ours']:.2f} | "
-            f"{r['us_bf16'] / r['us_ours_gemm']:.2f} | " + (f"{im / r['us_ours_gemm']:.2f} |" if im else "— |"))
+            f"{100 * r['wgbs_ours_gemm'] / copy_gbs:.0f}% | "
+            f"{opt(nc and 100 * r['n'] * r['k'] / nc / 1e3 / copy_gbs, '{:.0f}%')} | {r['us_bf16'] / r['us_ours']:.2f} | "
+            f"{r['us_bf16'] / r['us_ours_gemm']:.2f} | {opt(nc and r['us_bf16'] / nc, '{:.2f}')} | "
+            f"{opt(im and im / r['us_ours_gemm'], '{:.2f}')} |")
     out += ["", "| fused op | M | row | µs | GB/s | % copy bw |", "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['op']} | {r['m']} | {r['n']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f}% |")

@@ -31,7 +31,8 @@ M bucket of gemm_configs.M_BUCKETS, each candidate configuration is
    chain (kernels/pdl.py): GEMM after GEMM, which the engine never runs, must not overlap through it
    (--behind-quant: behind quant_per_token, in the chain).
 The fastest correct candidate is written with its time and the default's time.
-Shapes not finished inside the budget keep the default (gemm_configs.default_config).
+Shapes not finished inside the budget, or with no correct candidate, keep their committed entry (else the
+default, gemm_configs.default_config).
 """
 
 import argparse
@@ -242,10 +243,18 @@ def main(argv=None):
     print(f"warmed {len(uniq)} kernels in {time.time() - t0:.0f}s ({len(bad)} failed)", flush=True)
 
     entries, log = [], []
+
+    def carry_over(mb, n, k):
+        """A bucket that was not re-timed keeps its committed entry (with its recorded times), if it has one."""
+        if (mb, n, k) in old:
+            entries.append(old[(mb, n, k)])
+
     for n, k in TARGETS:
         for mb in buckets:
             if time.time() - t0 > args.budget_s:
-                print(f"budget spent: N={n} K={k} M<={mb} keeps the default", flush=True)
+                print(f"budget spent: N={n} K={k} M<={mb} keeps " + ("its committed entry" if (mb, n, k) in old
+                      else "the default"), flush=True)
+                carry_over(mb, n, k)
                 continue
             m = mb
             xq, wq0 = _inputs(m, n, k)
@@ -278,6 +287,7 @@ def main(argv=None):
                     print(f"failed: {cfg} at M={m} N={n} K={k}: {repr(e)[:150]}", flush=True)
             log += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict(), us=round(t, 3)) for c, t in timings.items()]
             if not timings:
+                carry_over(mb, n, k)
                 continue
             best = choose(timings, prev if (mb, n, k) in prev_table else None, args.min_gain)
             config = best.to_dict()
