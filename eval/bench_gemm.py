@@ -41,7 +41,7 @@ MODELS = {
     "llama3.2-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
 }
 M_LIST = (1, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
-MID_M = (12, 48, 100, 160, 384, 600, 1500, 3000, 6000)  # between gemm_configs.M_BUCKETS
+MID_M = (12, 48, 100, 160, 320, 600, 900, 1280, 2500, 5000)  # between gemm_configs.M_BUCKETS
 ROTATE_BYTES = 320 * 2**20  # weight copies per variant: at least this many bytes, > the 50-60 MB L2
 
 

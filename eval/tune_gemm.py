@@ -104,8 +104,7 @@ def candidates(m):
                 for sk in (1, 2, 4, 8):
                     out.append(C(gb, bn, bk, 1, sk, w, 1, "gemv"))
         return out
-    if m <= 256:
-        return [C(64, 64, 128, 8, 1, 4, 4), C(64, 128, 128, 8, 1, 4, 4), C(64, 128, 128, 8, 2, 4, 4),
+    small = [C(64, 64, 128, 8, 1, 4, 4), C(64, 128, 128, 8, 1, 4, 4), C(64, 128, 128, 8, 2, 4, 4),
                 C(128, 128, 128, 8, 1, 8, 4), C(128, 64, 128, 8, 1, 4, 4), C(64, 256, 128, 8, 1, 8, 3),
                 C(128, 128, 128, 8, 2, 8, 4), C(64, 64, 256, 8, 2, 4, 4), C(128, 256, 128, 8, 1, 8, 3),
                 C(64, 32, 256, 8, 1, 4, 4), C(64, 32, 256, 8, 2, 4, 4), C(64, 64, 256, 8, 4, 4, 4),
@@ -118,9 +117,14 @@ def candidates(m):
                 # batch) lost every shape at M = 256 by 8-76 %: there these GEMMs are bound by the MMA
                 # pipeline, not by reading the weights (docs/benchmarks/gemm.md)
                 C(128, 128, 128, 8, 1, 8, 3)] + ws_candidates() + ws_narrow_candidates()
-    return ws_candidates() + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
-            C(128, 256, 64, 8, 1, 8, 4), C(128, 128, 64, 8, 1, 4, 5), C(128, 128, 128, 8, 1, 4, 4),
-            C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]
+    large = ws_candidates() + [C(128, 128, 128, 8, 1, 8, 4), C(128, 256, 128, 8, 1, 8, 3), C(256, 128, 128, 8, 1, 8, 3),
+                               C(128, 256, 64, 8, 1, 8, 4), C(128, 128, 64, 8, 1, 4, 5), C(128, 128, 128, 8, 1, 4, 4),
+                               C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]
+    if m <= 256:
+        return small
+    if m <= 768:  # a few 128-row tiles: the small shapes' waves may want 64-row or narrow ones
+        return small + [c for c in large if c not in small]
+    return large
 
 
 def choose_pdl(off_us, on_us, default, min_gain=0.02):
