@@ -28,6 +28,7 @@ import triton.language as tl
 from .attention_configs import KV_WRITE
 from .launch import FastLauncher
 from .pdl import allow_dependents, producer_launch, wait_for_previous_kernel
+from .quant_per_token import max_keep_nan
 from .reference import v_token_major
 from eightbit.quant import int8
 
@@ -54,7 +55,8 @@ def _store_head_rows(
     if QUANT:
         NG: tl.constexpr = HEAD_DIM // GROUP
         g = tl.reshape(x, (H_PAD, NG, GROUP))
-        absmax = tl.minimum(tl.max(tl.abs(g), axis=2), KV_ABSMAX)  # [H_PAD, NG]
+        # [H_PAD, NG]; a NaN in a group gives it a NaN scale, as torch's amax and clamp do
+        absmax = tl.minimum(tl.reduce(tl.abs(g), 2, max_keep_nan), KV_ABSMAX, propagate_nan=tl.PropagateNan.ALL)
         scale = tl.math.div_rn(absmax, 127.0).to(scale_ptr.dtype.element_ty)
         s = scale.to(tl.float32)
         inv = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)

@@ -45,6 +45,13 @@ def _round_half_even(y):
 
 
 @triton.jit
+def max_keep_nan(a, b):
+    """max that returns NaN if either operand is NaN (max.NaN.f32), as torch's amax does: tl.max drops NaN,
+    which turned a row holding a NaN into finite int8 values with a finite scale."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quantize_row(y, mask, CUDA_SCALE: tl.constexpr):
     """y: float32 [BLOCK] (masked lanes ignored) -> (int8 q [BLOCK], float32 scale).
 
@@ -52,7 +59,7 @@ def _quantize_row(y, mask, CUDA_SCALE: tl.constexpr):
     on every device, and `absmax / 127` as a true division on the CPU but as
     absmax * float32(1/127) on CUDA; CUDA_SCALE picks the CUDA form so that both
     backends reproduce quant/int8.py bit for bit on their own device."""
-    absmax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    absmax = tl.reduce(tl.where(mask, tl.abs(y), 0.0), 0, max_keep_nan)  # NaN in the row: scale NaN, as torch
     nonzero = absmax > 0.0
     safe = tl.where(nonzero, absmax, 1.0)
     inv = tl.where(nonzero, tl.math.div_rn(1.0, safe) * 127.0, 0.0)

@@ -223,6 +223,20 @@ def test_kv_group_absmax_is_capped_for_float16():
 
 
 @cpu_only
+def test_kv_write_gives_a_group_holding_a_nan_a_nan_scale_as_the_reference():
+    k = torch.randn(3, 2, 64, dtype=torch.float16)
+    k[1, 0, 40] = float("nan")  # token 1, head 0, group 1
+    out = [empty_cache(1, 16, 2, 64, torch.int8, 32) for _ in range(2)]
+    slots = torch.arange(3)
+    kv_write(k, k.abs(), *out[0], slots)
+    R.kv_write(k, k.abs(), *out[1], slots)
+    ks, ks_ref = out[0][2][0, :3], out[1][2][0, :3]  # [token, head, group]
+    assert torch.isnan(ks[1, 0, 1]) and torch.isnan(ks_ref[1, 0, 1])
+    nan = torch.zeros_like(ks, dtype=torch.bool)
+    nan[1, 0, 1] = True
+    assert torch.equal(ks[~nan], ks_ref[~nan])
+
+
 def test_kv_write_rejects_bad_inputs():
     k = torch.randn(4, 2, 64, dtype=torch.float16)
     kc, vc, ks, vs = empty_cache(2, 16, 2, 64, torch.int8, 32)

@@ -398,6 +398,23 @@ def test_silu_mul_quant_cpu(dtype, shape, poison):
 
 
 @cpu
+def test_a_nan_in_a_row_gives_it_a_nan_scale_as_in_torch():
+    """tl.max drops NaN: a row holding one was quantized to finite values with a finite scale, where the reference
+    (torch's amax) gives scale NaN, so the NaN reached no output. Now the row's scale is NaN on both paths."""
+    x = (torch.randn(3, 96, generator=_gen(3)) * 2).to(torch.float16)
+    x[1, 17] = float("nan")
+    w = torch.ones(96, dtype=torch.float16)
+    gu = torch.cat([x, x], 1)
+    for name, (q, s), (qr, sr) in (
+        ("quant_per_token", quant_per_token(x), R.quant_per_token(x)),
+        ("rmsnorm_quant", rmsnorm_quant(x, w, 1e-5)[:2], R.rmsnorm_quant(x, w, 1e-5)[:2]),
+        ("silu_mul_quant", silu_mul_quant(gu), R.silu_mul_quant(gu)),
+    ):
+        assert torch.isnan(s[1]).all() and torch.isnan(sr[1]).all(), name
+        assert torch.isfinite(s[[0, 2]]).all() and torch.equal(q[[0, 2]], qr[[0, 2]]), name
+
+
+@cpu
 def test_row_kernels_reject_bad_inputs_cpu():
     with pytest.raises(TypeError, match="x must be float16, bfloat16 or float32"):
         quant_per_token(torch.zeros(2, 8, dtype=torch.int32))
