@@ -32,7 +32,11 @@ def rms_norm(x, weight, eps, residual=None):
     With a residual, the sum x + residual is both normalized and returned as the
     next layer's residual (the pre-norm transformer's running stream).
     """
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None:
+        if residual.shape != x.shape:  # no broadcasting: the kernel refuses it too
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         x = (x.float() + residual.float()).to(x.dtype)
         residual = x
     xf = x.float()
@@ -65,6 +69,12 @@ def quant_per_token(x):
 
 def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
     """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias)."""
+    m, n = x_q.shape[0], w_q.shape[0]
+    for name, s, rows in (("x_scale", x_scale, m), ("w_scale", w_scale, n)):
+        if s.numel() != rows:  # a single scale would broadcast: the kernel refuses it too
+            raise ValueError(f"{name} must be a [{rows}] or [{rows}, 1] tensor, got {tuple(s.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be a [{n}] tensor, got {tuple(bias.shape)}")
     acc = _int8_matmul(x_q, w_q)
     out = acc.float() * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
     if bias is not None:
@@ -119,6 +129,8 @@ def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     """Store k, v [T, Hkv, D] at their slots; quantize in groups if the cache is int8. In place.
 
     A slot of -1 means "do not store" (padding)."""
+    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
+        raise ValueError("an int8 cache needs k_scale and v_scale, a float cache takes none")  # as the kernel
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]

@@ -118,3 +118,22 @@ def test_rms_norm_and_int8_gemm_by_hand():
     got = R.int8_gemm(a, torch.tensor([[0.5]]), w, torch.tensor([1.0, 2.0]), torch.tensor([1.0, -1.0]),
                       torch.float32)
     assert torch.equal(got, torch.tensor([[(16384 - 16256 + 5) * 0.5 + 1, (-256 - 15) * 0.5 * 2 - 1]]))
+
+
+def test_the_cpu_backend_refuses_what_the_kernels_refuse():
+    """No broadcasting of a scale, bias or residual, and no float values stored into an int8 cache unscaled."""
+    xq, wq = torch.ones(4, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"x_scale must be a \[4\]"):
+        R.int8_gemm(xq, torch.ones(1), wq, torch.ones(8))
+    with pytest.raises(ValueError, match=r"bias must be a \[8\]"):
+        R.int8_gemm(xq, torch.ones(4), wq, torch.ones(8), bias=torch.ones(1))
+    with pytest.raises(ValueError, match="residual shape"):
+        R.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5, residual=torch.ones(1, 8))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        R.rms_norm(torch.ones(2, 8), torch.ones(4), 1e-5)
+    kc = torch.zeros(2, 4, 1, 16, dtype=torch.int8)
+    vc = torch.zeros(R.v_cache_shape(2, 4, 1, 16, torch.int8), dtype=torch.int8)
+    k = torch.randn(3, 1, 16)
+    with pytest.raises(ValueError, match="an int8 cache needs k_scale and v_scale"):
+        R.kv_write(k, k, kc, vc, None, None, torch.arange(3))
+    assert not kc.any()  # nothing stored
