@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import metadata_checks
 from .attention_configs import KV_WRITE
 from .launch import FastLauncher
 from .pdl import allow_dependents, producer_launch, wait_for_previous_kernel
@@ -162,6 +163,8 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64) or not slot_mapping.is_contiguous():
         raise ValueError(f"slot_mapping must be a contiguous int32/int64 [T={t}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
+    if metadata_checks.ENABLED:
+        metadata_checks.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], "kv_write")
     tensors = [k, v, k_cache, v_cache, slot_mapping] + ([k_scale, v_scale] if quant else [])
     dev = k.device
     for x in tensors:
@@ -187,6 +190,8 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
         for x in (q, positions, cos_sin_cache):
             if x.device != k.device:
                 raise ValueError(f"all tensors must be on one device, found {x.device} and {k.device}")
+        if metadata_checks.ENABLED:
+            metadata_checks.check_positions(positions, cos_sin_cache.shape[0], "rope_kv_write")
         if q.dtype != k.dtype:
             raise ValueError(f"q is {q.dtype} but k is {k.dtype}")
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

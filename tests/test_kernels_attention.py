@@ -501,6 +501,37 @@ def test_decode_split_counts():
 
 
 @cpu_only
+def test_metadata_out_of_range_is_an_error_when_the_checks_are_on(monkeypatch):
+    """The kernels trust the metadata (a value out of range reads or writes past a tensor); with
+    EIGHTBIT_CHECK_METADATA=1 each wrapper checks it first and names the bad entry."""
+    from eightbit.kernels import metadata_checks
+
+    monkeypatch.setattr(metadata_checks, "ENABLED", True)
+    sc = Scenario([(20, 1), (9, 1)], 8, 2, 64, torch.int8, 32)
+    q = torch.randn(2, 8, 64, dtype=torch.float16)
+    nblk = sc.caches[0].shape[0]
+    decode_attention(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.1)  # in range: runs
+    table = sc.block_tables.clone()
+    table[1, 0] = nblk + 1
+    with pytest.raises(ValueError, match=rf"block_tables\[1, 0\] = {nblk + 1} is not a block of the cache"):
+        decode_attention(q, *sc.caches, table, sc.seq_lens, 0.1)
+    long = sc.seq_lens.clone()
+    long[0] = sc.block_tables.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = .* is outside"):
+        decode_attention(q, *sc.caches, sc.block_tables, long, 0.1)
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0 to at most 2"):
+        prefill_attention(q, *sc.caches, sc.block_tables, torch.tensor([0, 1, 3], dtype=torch.int32), sc.seq_lens,
+                          0.1)
+    k = torch.randn(3, 2, 64, dtype=torch.float16)
+    before = [x.clone() for x in sc.caches]
+    with pytest.raises(ValueError, match=rf"slot_mapping\[2\] = {nblk * 16} is outside -1..{nblk * 16 - 1}"):
+        kv_write(k, k, *sc.caches, torch.tensor([0, -1, nblk * 16]))
+    with pytest.raises(ValueError, match=r"positions\[0\] = 8 is outside the rotary cache's 0..7"):
+        rope_kv_write(torch.randn(3, 8, 64, dtype=torch.float16), k, k, torch.tensor([8, 0, 1]), torch.randn(8, 64),
+                      *sc.caches, torch.tensor([0, 1, 2]))
+    assert all(torch.equal(a.nan_to_num(1.0), b.nan_to_num(1.0)) for a, b in zip(sc.caches, before))
+
+
 def test_attention_rejects_bad_inputs():
     sc = Scenario([(20, 1)], 8, 2, 64, torch.int8, 32)
     q = torch.randn(1, 8, 64, dtype=torch.float16)
