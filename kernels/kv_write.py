@@ -163,7 +163,7 @@ def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64) or not slot_mapping.is_contiguous():
         raise ValueError(f"slot_mapping must be a contiguous int32/int64 [T={t}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
-    if metadata_checks.ENABLED:
+    if metadata_checks.active(k.device):
         metadata_checks.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], "kv_write")
     tensors = [k, v, k_cache, v_cache, slot_mapping] + ([k_scale, v_scale] if quant else [])
     dev = k.device
@@ -190,7 +190,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
         for x in (q, positions, cos_sin_cache):
             if x.device != k.device:
                 raise ValueError(f"all tensors must be on one device, found {x.device} and {k.device}")
-        if metadata_checks.ENABLED:
+        if metadata_checks.active(k.device):
             metadata_checks.check_positions(positions, cos_sin_cache.shape[0], "rope_kv_write")
         if q.dtype != k.dtype:
             raise ValueError(f"q is {q.dtype} but k is {k.dtype}")

@@ -3,13 +3,20 @@
 The kernels trust slot mappings, block tables, sequence lengths, query offsets and positions: a value out of range
 reads or writes past a tensor, where the plain-torch reference raises IndexError. The engine builds them itself, so
 the checks are off by default: each reads the metadata back to the host, a synchronization per call. Turn them on
-to debug a caller of the kernels."""
+to debug a caller of the kernels; CUDA-graph replays are not checked (the engine's enforce_eager runs every step
+eagerly)."""
 
 import os
 
 import torch
 
 ENABLED = os.environ.get("EIGHTBIT_CHECK_METADATA", "0") == "1"
+
+
+def active(device) -> bool:
+    """On, and not inside CUDA-graph capture (a check reads back to the host, which capture forbids; a graph's
+    replays are not checked: run with enforce_eager to check every step)."""
+    return ENABLED and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _first(bad):

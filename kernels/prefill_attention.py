@@ -330,7 +330,7 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     for x in (k_cache, v_cache, block_tables, seq_lens) + ((k_scale, v_scale) if quant else ()):
         if x.device != q.device:
             raise ValueError(f"{name}: all tensors must be on q's device {q.device}, found {x.device}")
-    if metadata_checks.ENABLED:
+    if metadata_checks.active(q.device):
         metadata_checks.check_tables(block_tables, seq_lens, k_cache.shape[0], page, name)
     return quant, group
 
@@ -388,7 +388,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
                          f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)} strides {cu_seqlens_q.stride()}")
     if cu_seqlens_q.device != q.device:
         raise ValueError(f"prefill_attention: cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
-    if metadata_checks.ENABLED:
+    if metadata_checks.active(q.device):
         metadata_checks.check_queries(cu_seqlens_q, seq_lens, q.shape[0], "prefill_attention")
     t, hq, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
