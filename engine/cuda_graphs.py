@@ -122,7 +122,10 @@ class PrefillGraphs(_Graphs):
     """The prefill of ONE sequence (a whole prompt, or a chunk after cached context) of up to
     max_tokens tokens. The bucket's remaining rows form a second, padding sequence: its tokens
     write nowhere (slot -1), read keys of block 0 (its block-table row stays zero) and their
-    output rows are dropped, so the real sequence's rows compute exactly what an eager step does.
+    output rows are dropped, so the real sequence's rows compute what an eager step does, by the kernels a
+    capture allows: over an int8 cache a long eager prefill attends through a dequantized float copy
+    (prefill_attention's via-float path, not capturable), a replay through the int8 Triton kernel, so the two
+    agree within float rounding, not bit for bit.
     """
 
     def __init__(self, model, max_tokens, max_blocks_per_seq, hidden_size, dtype, device):

@@ -14,7 +14,7 @@ import torch
 
 from eightbit.engine.context import Context, reset_context, set_context
 from eightbit.engine.sampler import gather_logprobs, logprobs_to_dicts
-from eightbit.engine.transfer import to_device
+from eightbit.engine.transfer import host_tensor_to_device, to_device
 from eightbit.kernels.reference import v_cache_shape
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when scoring
@@ -114,7 +114,7 @@ class ModelRunner:
         elif len(sample_seqs) == len(hidden):  # every row samples (decode): no gather, no copy
             logits = self.model.compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
+            logits = self.model.compute_logits(hidden[host_tensor_to_device(sample_rows, self.device)])
         return StepResult(sample_seqs, logits, self._prompt_logprobs(scheduled, hidden))
 
     def _run_graph(self, input_ids, positions, context):
@@ -126,12 +126,12 @@ class ModelRunner:
 
     def _run_eager(self, input_ids, positions, context):
         dev = self.device
-        context = Context(*(t.to(dev, non_blocking=True) for t in (
+        context = Context(*(host_tensor_to_device(t, dev) for t in (
             context.slot_mapping, context.block_tables, context.seq_lens, context.cu_seqlens_q)),
             num_decodes=context.num_decodes, prefill_width=context.prefill_width)
         set_context(context)
         try:
-            return self.model(input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True))
+            return self.model(host_tensor_to_device(input_ids, dev), host_tensor_to_device(positions, dev))
         finally:
             reset_context()
 

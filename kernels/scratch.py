@@ -7,6 +7,8 @@ the buffer is zeroed once, when it is allocated, and reused by every launch afte
 
 import torch
 
+_RETIRED = []  # buffers replaced by larger ones: kept alive, since a captured CUDA graph may still use their address
+
 
 def zeroed_scratch(cache, device, n, min_size, what):
     """A per-device int32 buffer of >= n zeros from cache (a dict), grown outside CUDA-graph capture only: a graph
@@ -18,6 +20,8 @@ def zeroed_scratch(cache, device, n, min_size, what):
             raise RuntimeError(
                 f"{what} must be allocated before CUDA-graph capture; run one eager call of each shape first (warm-up)"
             )
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
         cache[key] = buf
     return buf

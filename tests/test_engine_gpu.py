@@ -115,3 +115,45 @@ def test_gpu_engine_decode_gluon_matches_triton(monkeypatch):
             j = diverged[0]
             assert g.token_ids[j] in t.logprobs[j] and t.token_ids[j] in g.logprobs[j], (i, j)
     assert len(step1) >= 24 and sorted(step1)[len(step1) // 2] < 0.03 and max(step1) < 0.1, step1
+
+
+def test_gpu_metadata_checks_leave_graph_capture_alone(monkeypatch):
+    """EIGHTBIT_CHECK_METADATA's checks read back to the host, which capture forbids: they skip capture, check the
+    eager steps, and change no token."""
+    from eightbit.kernels import metadata_checks
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    opts = dict(load_format="dummy", max_model_len=256, kv_cache_memory_gb=0.2, max_num_seqs=4,
+                max_num_batched_tokens=256)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [_prompt(1, 5), _prompt(2, 40)]
+    want = [o.outputs[0].token_ids for o in LLM("llama-tiny", **opts).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(metadata_checks, "ENABLED", True)
+    llm = LLM("llama-tiny", **opts)  # captures its graphs with the checks on
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_gpu_a_scratch_buffer_grown_after_capture_stays_alive():
+    """The decode graphs keep the split-K buffer's address; a later eager call that needs a larger one must not free
+    it (the memory would go to another tensor while replays still add into it)."""
+    from eightbit.kernels import int8_gemm, scratch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM("llama-3.2-1b", load_format="dummy", quantization="w8a8", kv_cache_dtype="int8", max_model_len=512,
+              kv_cache_memory_gb=0.5, max_num_seqs=2, max_num_batched_tokens=512)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = llm.generate([_prompt(3, 40)], params, use_tqdm=False)[0].outputs[0].token_ids
+    dev = torch.device("cuda", torch.cuda.current_device())
+    old = int8_gemm._gemv_acc.get((dev.type, dev.index))
+    assert old is not None, "no split-K gemv at these shapes: the test needs one"
+    size, address = old.numel(), old.data_ptr()
+    del old
+    int8_gemm._gemv_acc_buffer(dev, size + 1)  # what an eager call needing a larger buffer does
+    assert any(b.data_ptr() == address for b in scratch._RETIRED)
+    junk = torch.full((size,), 123456, dtype=torch.int32, device=dev)
+    before = junk.clone()
+    again = llm.generate([_prompt(3, 40)], params, use_tqdm=False)[0].outputs[0].token_ids
+    torch.cuda.synchronize()
+    assert torch.equal(junk, before) and again == first

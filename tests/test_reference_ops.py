@@ -137,3 +137,15 @@ def test_the_cpu_backend_refuses_what_the_kernels_refuse():
     with pytest.raises(ValueError, match="an int8 cache needs k_scale and v_scale"):
         R.kv_write(k, k, kc, vc, None, None, torch.arange(3))
     assert not kc.any()  # nothing stored
+
+
+def test_a_grown_scratch_buffer_keeps_the_old_one_alive():
+    """A captured CUDA graph keeps the address of the buffer it used: growing must not free it."""
+    from eightbit.kernels import scratch
+
+    cache, dev = {}, torch.device("cpu")
+    small = scratch.zeroed_scratch(cache, dev, 10, 16, "test buffer")
+    assert small.numel() == 16 and not small.any()
+    assert scratch.zeroed_scratch(cache, dev, 12, 16, "test buffer") is small  # large enough: the same one
+    big = scratch.zeroed_scratch(cache, dev, 100, 16, "test buffer")
+    assert big.numel() == 100 and not big.any() and any(b is small for b in scratch._RETIRED)
