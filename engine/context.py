@@ -6,6 +6,7 @@ eagerly and under a CUDA graph (whose captured tensors are these, refilled in pl
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,6 +30,21 @@ class Context:
     def is_decode(self) -> bool:
         """Every sequence has exactly one new token."""
         return self.seq_lens is not None and self.num_decodes == len(self.seq_lens)
+
+    # A mixed step's two parts, as views made once per step: the kernels build per-step work (the decode's work
+    # order, the prefill's tile map) once and reuse it while every layer passes them the same tensors.
+    @cached_property
+    def decode_part(self):
+        """(block_tables, seq_lens) of the one-token sequences."""
+        nd = self.num_decodes
+        return self.block_tables[:nd], self.seq_lens[:nd]
+
+    @cached_property
+    def prefill_part(self):
+        """(block_tables, seq_lens) of the prefill sequences; only their columns of the table: its width tells
+        the kernels their longest context."""
+        nd = self.num_decodes
+        return self.block_tables[nd:, :self.prefill_width], self.seq_lens[nd:]
 
 
 _CONTEXT = Context()

@@ -85,3 +85,37 @@ def test_engine_mixed_steps_match_requests_run_alone():
         assert g.token_ids == w.token_ids
         chosen = [[d[t] for d, t in zip(o.logprobs, o.token_ids)] for o in (g, w)]
         torch.testing.assert_close(torch.tensor(chosen[0]), torch.tensor(chosen[1]), rtol=0, atol=1e-4)
+
+
+def test_every_layer_of_a_mixed_step_passes_the_kernels_the_same_metadata(monkeypatch):
+    """The kernels build per-step work once (the decode's work order, the prefill's tile map) and reuse it while
+    they are given the same tensors: every layer of a step must pass the same views, not new slices of its own."""
+    import eightbit.engine.layers.attention as attention
+
+    seen = []
+    for name in ("decode_attention", "prefill_attention"):
+        real = getattr(attention.ops, name)
+
+        def record(*args, _real=real, _name=name):
+            seen.append((_name, id(args[5]), id(args[-2])))  # block tables, seq_lens
+            return _real(*args)
+
+        monkeypatch.setattr(attention.ops, name, record)
+    llm = LLM(load_format="dummy", model="llama-tiny", dtype="float32", device="cpu", max_model_len=128,
+              kv_cache_memory_gb=0.05, max_num_batched_tokens=24, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("a", list(range(1, 6)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # a's prompt: a decode from now on
+    engine.add_request("b", list(range(7, 47)), SamplingParams(max_tokens=2, ignore_eos=True))
+    mixed = None
+    for _ in range(4):  # with async scheduling a step may only collect the one launched ahead
+        seen.clear()
+        engine.step()
+        if {c[0] for c in seen} == {"decode_attention", "prefill_attention"}:  # a's token and a chunk of b's
+            mixed = list(seen)
+            break
+    assert mixed is not None, "no mixed step"
+    layers = engine.hf_config.num_hidden_layers
+    for name in ("decode_attention", "prefill_attention"):
+        calls = [c for c in mixed if c[0] == name]
+        assert len(calls) == layers and len(set(calls)) == 1, name

@@ -31,10 +31,9 @@ class Attention(nn.Module):
             # a mixed step: the one-token sequences (first) through decode attention, which reads each
             # KV tile once per group of query heads; the prefill kernel would read it once per head
             nd = ctx.num_decodes
-            # only the prefill sequences' columns of the table: its width tells the kernels their longest context
-            tables = ctx.block_tables[nd:, :ctx.prefill_width]
-            o = ops.prefill_attention(q[nd:], *cache, tables, ctx.cu_seqlens_q, ctx.seq_lens[nd:], self.scale)
+            tables, seq_lens = ctx.prefill_part
+            o = ops.prefill_attention(q[nd:], *cache, tables, ctx.cu_seqlens_q, seq_lens, self.scale)
             if nd:
-                dec = ops.decode_attention(q[:nd], *cache, ctx.block_tables[:nd], ctx.seq_lens[:nd], self.scale)
+                dec = ops.decode_attention(q[:nd], *cache, *ctx.decode_part, self.scale)
                 o = torch.cat([dec, o])
         return o.reshape(t, self.num_heads * self.head_dim)
