@@ -71,7 +71,8 @@ class Scheduler:
             i += 1
         if out.preempted:  # memory is short: let the running ones finish before admitting more
             return out
-        while self.waiting and budget > 0 and self._has_seats_for(self.waiting[0]):
+        seats = self._seats_taken()  # counted once, then kept up to date as sequences are admitted
+        while self.waiting and budget > 0 and seats + self._seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             use_cache = seq.request.prompt_logprobs is None  # scoring needs every prompt position's logits
             cached = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_prefix_cache=use_cache)
@@ -81,6 +82,7 @@ class Scheduler:
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)  # after every running one: preserves the sort order within this step
+            seats += self._seats(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append((seq, n))
             budget -= n
@@ -98,7 +100,7 @@ class Scheduler:
         in_step = {id(s) for s in stepped}
         if any(id(s) not in in_step for s in self.running):
             return None
-        if self.waiting and self._has_seats_for(self.waiting[0]):
+        if self.waiting and self._seats_taken() + self._seats(self.waiting[0]) <= self.max_num_seqs:
             return None
         # one token takes at most one block per sequence (a new one, or a copy of a shared one), so
         # with this many free every reservation below succeeds: all or nothing, no copy left undone
@@ -117,8 +119,8 @@ class Scheduler:
         request = seq.request
         return request.params.n if len(request.seqs) < request.params.n else 1
 
-    def _has_seats_for(self, seq) -> bool:
-        return sum(map(self._seats, self.running)) + self._seats(seq) <= self.max_num_seqs
+    def _seats_taken(self) -> int:
+        return sum(map(self._seats, self.running))
 
     @staticmethod
     def _insert(queue, seq):

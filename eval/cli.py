@@ -122,7 +122,7 @@ def _check_args(args, stem, positive):
 
 def _write_chart(draw, rows, path: Path, *extra):
     """The chart of this run's rows, or none: an earlier run's chart is not left beside this run's tables."""
-    chart = draw(rows, *extra, path) if extra else draw(rows, path)
+    chart = draw(rows, *extra, path)
     if chart is None:
         path.unlink(missing_ok=True)
     return chart

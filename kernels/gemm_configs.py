@@ -61,8 +61,6 @@ def m_bucket(m):
     return M_BUCKETS[-1]
 
 
-
-
 def gemv_config(m, n, k, num_sms=132):
     """The gemv kernel for M <= 8: ~32 accumulator words per thread per row, split-K until ~2 programs per SM."""
     block_m = 1 if m <= 1 else (2 if m <= 2 else (4 if m <= 4 else 8))

@@ -27,10 +27,12 @@ TINY_ABSMAX = 2.0**-100  # below ~3.7e-37, 127 / absmax overflows float32
 
 
 def _quantize(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-    # rows of tiny magnitude are scaled up by a power of two first (exact), so q is what the formula says
+    # rows of tiny magnitude are scaled up by a power of two first (exact), so q is what the formula says; the
+    # check is on absmax (one value a row), so ordinary inputs pay no pass over x
     tiny = (absmax > 0) & (absmax < TINY_ABSMAX)
-    x = torch.where(tiny, x * 2.0**100, x)
-    absmax = torch.where(tiny, absmax * 2.0**100, absmax)
+    if tiny.any():
+        x = torch.where(tiny, x * 2.0**100, x)
+        absmax = torch.where(tiny, absmax * 2.0**100, absmax)
     inv = torch.where(absmax > 0, QMAX / absmax, torch.zeros_like(absmax))
     return torch.round(x * inv).clamp_(-QMAX, QMAX).to(torch.int8)
 
