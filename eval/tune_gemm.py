@@ -82,6 +82,14 @@ def ws_narrow_candidates():
     return [C(128, 64, 128, 8, 1, 4, 8, "ws"), C(128, 64, 256, 8, 1, 4, 4, "ws"), C(128, 64, 64, 8, 1, 4, 12, "ws")]
 
 
+def ws_mid_candidates():
+    """96 = 64 + 32 wide tiles, for 256 < M <= 1024: Llama-3.2-1B qkv (N = 3072) at M = 512 is 4 x 32 of these, one
+    wave of 132 SMs, against 96 tiles 128 wide (a quarter of the SMs idle) or 192 tiles 64 wide (two waves)."""
+    from eightbit.kernels.gemm_configs import GemmConfig as C
+
+    return [C(128, 96, 128, 8, 1, 4, 6, "ws"), C(128, 96, 64, 8, 1, 4, 12, "ws")]
+
+
 def candidates(m):
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
@@ -122,9 +130,16 @@ def candidates(m):
                                C(64, 256, 128, 8, 1, 4, 4), C(256, 128, 64, 8, 1, 8, 4), C(128, 256, 128, 16, 1, 8, 3)]
     if m <= 256:
         return small
-    if m <= 768:  # a few 128-row tiles: the small shapes' waves may want 64-row or narrow ones
-        return small + [c for c in large if c not in small]
+    if m <= 1024:  # a few 128-row tiles: the small shapes' waves may want 64-row or narrow ones
+        return small + ws_mid_candidates() + [c for c in large if c not in small]
     return large
+
+
+def previous_entry(table, mb, n, k):
+    """The config a table {(m_bucket, n, k): config} runs at M = mb: its own entry, else, for a bucket it lacks (a
+    bucket added since), the next bucket up's, which served these M until now; None if it holds neither."""
+    above = sorted(b for (b, bn, bk) in table if (bn, bk) == (n, k) and b >= mb)
+    return table[(above[0], n, k)] if above else None
 
 
 def choose_pdl(off_us, on_us, default, min_gain=0.02):
@@ -216,9 +231,8 @@ def main(argv=None):
     old = {(e["m_bucket"], e["n"], e["k"]): e for e in old_entries}
     prev_table = {key: gc.GemmConfig(**e["config"]) for key, e in old.items()}
 
-    def prev_of(mb, n, k):  # the committed entry of this bucket, else of bucket 16 (below it), else dot_config
-        below_16 = prev_table.get((16, n, k)) if mb < 16 else None
-        return prev_table.get((mb, n, k)) or below_16 or gc.dot_config(mb, n, k)
+    def prev_of(mb, n, k):
+        return previous_entry(prev_table, mb, n, k) or gc.dot_config(mb, n, k)
 
     def cands_for(mb, n, k):
         out = list(candidates(mb))

@@ -154,7 +154,8 @@ def test_gemm_matches_reference_cpu(cfg, shape, out_dtype, with_bias):
 
 
 WS_CONFIGS = [GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws"),
-              GemmConfig(128, 192, 64, 8, 1, 4, 6, "ws")]  # 192 = 128 + 64: two accumulators per consumer
+              GemmConfig(128, 192, 64, 8, 1, 4, 6, "ws"),  # 192 = 128 + 64: two accumulators per consumer
+              GemmConfig(128, 96, 128, 8, 1, 4, 6, "ws")]  # 96 = 64 + 32
 
 
 @cpu

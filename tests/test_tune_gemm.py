@@ -38,6 +38,17 @@ def test_choose_pdl_keeps_the_unmarked_launch_unless_clearly_beaten():
     assert choose_pdl(10.0, 9.5, default=False, min_gain=0.06) is False
 
 
+def test_a_new_bucket_is_timed_against_the_entry_that_served_it():
+    """A bucket added to M_BUCKETS (640 between 512 and 768) is compared with the next bucket up's entry, which its
+    M ran until now, so a re-tune keeps that entry unless a candidate beats it."""
+    table = {(512, 2048, 2048): OLD, (768, 2048, 2048): NEW, (640, 4096, 4096): OTHER}
+    assert tune_gemm.previous_entry(table, 512, 2048, 2048) == OLD
+    assert tune_gemm.previous_entry(table, 640, 2048, 2048) == NEW
+    assert tune_gemm.previous_entry(table, 100, 2048, 2048) == OLD
+    assert tune_gemm.previous_entry(table, 1024, 2048, 2048) is None  # nothing above: the caller's default
+    assert tune_gemm.previous_entry(table, 640, 3072, 2048) is None  # another shape's entries do not count
+
+
 def test_tune_gemm_without_a_gpu_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "table.json"
