@@ -285,6 +285,16 @@ def test_logprobs(client, offline):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    # a client's own template could run for ever on a tokenizer worker
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"chat_template": "{% for i in range(9) %}x{% endfor %}"}},
+     400, "chat_template_kwargs"),
+    # every stop string is checked at every token on the loop all requests share
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": "y" * 1025}, 400, "stop"),
+    # the field, not pydantic's name for the union member that failed ("prompt.str")
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop"),
 ])
 def test_bad_input_openai_error(server, path, body, status, param):
     resp = post(server, path, body)
@@ -307,6 +317,50 @@ def test_prompt_longer_than_context(server, client):
     # the server keeps serving
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
     assert httpx.get(server.url + "/v1/nothing-here").json()["error"]["type"] == "not_found_error"
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server, monkeypatch):
+    """More than MAX_CHARS_PER_TOKEN characters per token of the context: refused without holding a tokenizer
+    worker (a 12 MB prompt took 32 s to tokenize, and requests behind it waited)."""
+    from eightbit.engine.server.api import MAX_CHARS_PER_TOKEN
+
+    limit = MAX_CHARS_PER_TOKEN * ENGINE_OPTIONS["max_model_len"]
+    tokenizers = server.app.state.server.tokenizers
+    encode = tokenizers.encode
+    monkeypatch.setattr(tokenizers, "encode", lambda text: encode(text) if len(text) <= limit else pytest.fail(
+        "a prompt that cannot fit was tokenized"))
+    monkeypatch.setattr(tokenizers, "chat_prompt", lambda *a: pytest.fail("a prompt that cannot fit was tokenized"))
+    huge = "hello world " * (limit // 12 + 1)
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": huge}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [
+                           {"role": "system", "content": huge[: len(huge) // 2]},
+                           {"role": "user", "content": huge[len(huge) // 2:]}]})):
+        resp = post(server, path, body)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+        assert "characters" in resp.json()["error"]["message"]
+    # at the limit the prompt is tokenized as before (and refused for its token count)
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "hello " * 2100})
+    assert resp.status_code == 400 and "tokens" in resp.json()["error"]["message"]
+
+
+def test_chat_template_variables_still_reach_the_template(client, offline):
+    """chat_template_kwargs keeps setting the template's own variables; only apply_chat_template's parameters are
+    refused."""
+    messages = [{"role": "user", "content": "Hi"}]
+    ref = offline.chat(messages, greedy(4), use_tqdm=False)[0].outputs[0].text
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"some_template_variable": True}})
+    assert out.choices[0].message.content == ref
+
+
+def test_the_overload_metric_counts_queue_rejections_only():
+    from eightbit.engine.server.metrics import Metrics
+
+    m = Metrics("m")
+    m.count_response("/health", 503)  # a dead engine's health check is not an overload
+    assert m.rejected_overload == 0
+    m.count_overload()
+    assert m.rejected_overload == 1
 
 
 # --- disconnects and overload -------------------------------------------------------------------
@@ -346,12 +400,20 @@ def test_non_stream_disconnect_aborts(server):
 def test_overload_503_with_retry_after_then_served(server, offline):
     state = server.app.state.server
     ref = offline.generate(PROMPTS, greedy(4), use_tqdm=False)
-    state.max_queue = 0
+    state.max_queue, state.num_queued = 1, state.num_queued + 1  # one prompt waits already: the queue is full
     try:
+        rejected = metrics(server)["eightbit_requests_rejected_overload_total"]
         resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        state.num_queued -= 1
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert resp.json()["error"]["type"] == "server_overloaded"
+        assert metrics(server)["eightbit_requests_rejected_overload_total"] == rejected + 1
         state.max_queue = 2
+        # more prompts than the queue can ever hold: a 400 (a retry cannot help), even on an idle server
+        resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+        assert "--max-queue" in resp.json()["error"]["message"]
+        assert metrics(server)["eightbit_requests_rejected_overload_total"] == rejected + 1
 
         async def one(http, i):
             body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 4, "temperature": 0}

@@ -10,6 +10,7 @@ frees their KV blocks at the loop's next iteration.
 import asyncio
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import re
@@ -33,6 +34,11 @@ from eightbit.engine.server.protocol import APIError
 log = logging.getLogger("eightbit.server")
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # each generated token is checked against every stop string, on the loop all requests share
+MAX_STOP_CHARS = 1024
+# A prompt of more characters than this many per token of the context cannot fit (no tokenizer packs that many
+# characters into each token of real text): refused before tokenizing, so a huge body does not hold a tokenizer worker
+MAX_CHARS_PER_TOKEN = 32
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -127,6 +133,7 @@ class ServerState:
         self.max_num_seqs = engine.config.max_num_seqs
         self.max_queue = max_queue
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_workers)
+        self.template_call_params = _template_call_params(engine.tokenizer)
         self.metrics = Metrics(model_name)
         self.num_queued = 0  # submitted engine requests that have not produced a token yet
         self.created = P.now()
@@ -169,7 +176,11 @@ class Generation:
         state = self.state
         if not state.engine.alive:
             raise APIError("the engine loop is not running", status=503, type="server_error", code="engine_dead")
+        if state.max_queue is not None and len(self.ids) > state.max_queue:
+            raise APIError(f"this request has {len(self.ids)} prompts and the server queues at most "
+                           f"{state.max_queue} (--max-queue): send fewer prompts per request", param="prompt")
         if state.max_queue is not None and state.num_queued + len(self.ids) > state.max_queue:
+            state.metrics.count_overload()
             raise APIError(f"the server is overloaded: {state.num_queued} requests are waiting "
                            f"(--max-queue {state.max_queue}); retry later",
                            status=503, type="server_overloaded", code="overloaded", headers={"Retry-After": "1"})
@@ -264,6 +275,10 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
     _reject_unless(req.repetition_penalty in (None, 1), "repetition_penalty",
                    f"repetition_penalty is not implemented: only 1 is accepted, got {req.repetition_penalty}")
     _reject_unless(not req.logit_bias, "logit_bias", "logit_bias is not implemented")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
+                       f"got {len(stops)} (the longest {max(map(len, stops))})", param="stop")
     try:
         return SamplingParams(
             n=req.n,
@@ -293,6 +308,33 @@ def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
                        param="top_k")
 
 
+def _check_chars(state: ServerState, num_chars: int, param: str):
+    limit = MAX_CHARS_PER_TOKEN * state.max_model_len
+    if num_chars > limit:
+        raise APIError(f"the prompt has {num_chars} characters, more than {MAX_CHARS_PER_TOKEN} per token of this "
+                       f"model's maximum context length ({state.max_model_len} tokens): it cannot fit", param=param,
+                       code="context_length_exceeded")
+
+
+def _template_call_params(tokenizer) -> frozenset:
+    """apply_chat_template's own parameters (chat_template, tokenize, tools, ...): chat_template_kwargs may not set
+    them, only the template's variables (e.g. enable_thinking). A client's own template could run for ever on a
+    tokenizer worker."""
+    try:
+        params = inspect.signature(tokenizer.apply_chat_template).parameters
+    except (TypeError, ValueError, AttributeError):
+        params = {}
+    names = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(names | {"chat_template", "tokenize", "tools", "documents"})
+
+
+def _check_template_kwargs(state: ServerState, kwargs: dict | None):
+    bad = sorted(set(kwargs or {}) & state.template_call_params)
+    if bad:
+        raise APIError(f"chat_template_kwargs may set the chat template's variables only, not {bad} "
+                       "(parameters of apply_chat_template)", param="chat_template_kwargs")
+
+
 def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None):
     for ids in prompts:
         if not ids:
@@ -319,6 +361,7 @@ async def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
         if isinstance(p, str):
             if not p:
                 raise APIError("prompt is empty", param="prompt")
+            _check_chars(state, len(p), "prompt")
             try:
                 out.append(await state.tokenizers.run(state.tokenizers.encode, p))
             except (TypeError, ValueError) as e:  # e.g. a lone surrogate, which UTF-8 cannot encode
@@ -407,6 +450,15 @@ def _stop_reason(c):
 # --- the app ------------------------------------------------------------------------------------
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_type_tag(loc_part: str) -> bool:
+    """pydantic names the union member that failed in an error's location ("prompt.str", "stop.list[str]"); the
+    field is what a client needs."""
+    return loc_part in _TYPE_TAGS or "[" in loc_part
+
+
 def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None = None,
               tokenizer_workers: int = 2) -> FastAPI:
     """The ASGI app around a started (or to-be-started) AsyncEngine."""
@@ -434,7 +486,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
             param = None
         else:
-            param = ".".join(loc) or None
+            param = ".".join(x for x in loc if not _is_type_tag(x)) or None
             message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
             if len(errors) > 1:
                 message += f" (and {len(errors) - 1} more errors)"
@@ -525,6 +577,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(req, max_tokens, top_k)
+        _check_template_kwargs(state, req.chat_template_kwargs)
+        _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
         try:
             prompt = await state.tokenizers.run(state.tokenizers.chat_prompt, messages, req.add_generation_prompt,
                                                 req.chat_template_kwargs)

@@ -28,10 +28,11 @@ def add_serve_parser(subparsers):
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients pass as `model` (default: --model as given, or "
                         f"{EMBEDDED_MODEL_NAME} for the embedded model)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="most requests waiting for their first token; past it, 503 with Retry-After "
+    p.add_argument("--max-queue", type=_at_least_one, default=None,
+                   help="most prompts waiting for their first token; past it, 503 with Retry-After "
                         "(default: no bound, requests wait)")
-    p.add_argument("--tokenizer-workers", type=int, default=2, help="threads tokenizing requests (default: 2)")
+    p.add_argument("--tokenizer-workers", type=_at_least_one, default=2,
+                   help="threads tokenizing requests (default: 2)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -99,6 +100,13 @@ def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2):
     async_engine = AsyncEngine(engine).start()
     name = model_name or default_model_name(engine.config.model)
     return async_engine, build_app(async_engine, name, max_queue=max_queue, tokenizer_workers=tokenizer_workers)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run_serve(args) -> int:

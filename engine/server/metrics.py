@@ -66,8 +66,11 @@ class Metrics:
         with self.lock:
             key = (endpoint, status)
             self.requests[key] = self.requests.get(key, 0) + 1
-            if status in (429, 503):
-                self.rejected_overload += 1
+
+    def count_overload(self) -> None:
+        """A request turned away because the queue was full (not any 503: a dead engine's or /health's)."""
+        with self.lock:
+            self.rejected_overload += 1
 
     def render(self, engine_stats: dict) -> str:
         """engine_stats: the async engine's snapshot (see AsyncEngine.stats)."""
