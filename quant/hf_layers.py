@@ -37,24 +37,28 @@ def check_float(checkpoint, config_only: bool = False) -> None:
     name = "model.layers.0.self_attn.q_proj.weight"  # one Linear tells: they are quantized alike
     if not config_only and name in checkpoint.tensor_names():
         dtype = checkpoint.get_tensor(name).dtype
-        if not dtype.is_floating_point:
+        if not dtype.is_floating_point or dtype.itemsize == 1:  # int8, or FP8 (with scales of its own)
             raise already_quantized(checkpoint.path, f"tensor {name!r} is {dtype}")
 
 
 def check_supported(config) -> None:
-    """Raise QuantizeError unless the config is a Llama-architecture model eightbit runs."""
+    """Raise QuantizeError unless the config is a Llama-architecture model the engine runs (the engine's own
+    checks, RoPE scaling included: a checkpoint it would refuse is not written)."""
+    from eightbit.engine.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
+    from eightbit.engine.models.llama import check_supported as engine_check_supported
+
     mt = getattr(config, "model_type", None)
     if mt not in ARCHITECTURES:
         raise QuantizeError(
             f"unsupported model type {mt!r}: eightbit quantizes the Llama family ({', '.join(ARCHITECTURES)})"
         )
-    if mt == "mistral" and getattr(config, "sliding_window", None) is not None:
-        raise QuantizeError(f"mistral with sliding_window={config.sliding_window} is not supported (only full attention)")
-    if mt == "qwen2" and getattr(config, "use_sliding_window", False):
-        raise QuantizeError("qwen2 with use_sliding_window=True is not supported (only full attention)")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise QuantizeError(f"unsupported hidden_act {act!r}: eightbit's MLP is SiLU(gate) * up")
+    try:
+        engine_check_supported(config)
+    except ValueError as e:
+        raise QuantizeError(str(e)) from None
+    if rope_type(config) not in SUPPORTED_ROPE_TYPES:
+        raise QuantizeError(f"RoPE scaling {rope_type(config)!r} is not supported "
+                            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     arch = getattr(config, "architectures", None) or []
     if arch and arch[0] != ARCHITECTURES[mt]:
         raise QuantizeError(f"unsupported architecture {arch[0]!r} for model type {mt!r}")
@@ -79,6 +83,25 @@ class DecoderLayers:
         rotary_cls = type(self.model.model.rotary_emb)
         self.rotary = rotary_cls(config=self.config)  # on the CPU: its buffers are computed, not loaded
         self._rope = {}
+        self._check_tensor_names()
+
+    def _check_tensor_names(self) -> None:
+        """Every tensor the config implies is in the checkpoint and every tensor in it is one the config implies,
+        before any layer is calibrated: a tensor the model would not read (a bias the config says is absent,
+        FP8 scales) would be dropped silently and the output be wrong."""
+        have = set(self.checkpoint.tensor_names())
+        want = set(self.model.state_dict())
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        optional = {"lm_head.weight"} if tied else set()
+        missing = sorted(want - have - optional)
+        if missing:
+            raise QuantizeError(f"the checkpoint has no tensor {missing[0]!r}"
+                                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        extra = sorted(n for n in have - want if not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise QuantizeError(f"the checkpoint has tensors its config does not use, e.g. {extra[:3]} "
+                                f"({len(extra)} in all): a bias the config says is absent, or quantization scales? "
+                                "Quantizing would drop them")
 
     def __len__(self):
         return len(self.layers)

@@ -38,8 +38,9 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def check_output_path(out: Path, overwrite: bool) -> None:
-    """Raise QuantizeError unless `out` may be written: new, or (with overwrite) replaceable."""
-    out = Path(out)
+    """Raise QuantizeError unless `out` may be written: new, or (with overwrite) replaceable, in a folder we may
+    write in (checked before the model loads, not after)."""
+    out = Path(out).resolve()  # a symlink is replaced at its target; "." by its absolute path
     if out.exists() and not overwrite:
         raise QuantizeError(f"{out} already exists: pass --overwrite to replace it")
     if out.exists() and not out.is_dir():
@@ -48,6 +49,8 @@ def check_output_path(out: Path, overwrite: bool) -> None:
         _check_replaceable(out)
     if not out.parent.is_dir():
         raise QuantizeError(f"the parent folder of {out} does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise QuantizeError(f"cannot write in {out.parent} (permission denied)")
 
 
 def _check_replaceable(out: Path) -> None:
@@ -102,23 +105,44 @@ def _apply_umask(folder: Path) -> None:
 
 @contextmanager
 def atomic_output_dir(out, overwrite: bool = False):
-    out = Path(out)
+    out = Path(out).resolve()
     check_output_path(out, overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise QuantizeError(f"cannot create a folder in {out.parent}: {e}") from None
     try:
         with _sigterm_unwinds():
             yield tmp
         _apply_umask(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / out.name)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _move_into_place(tmp, out, overwrite)
+
+
+def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished tmp to out. `out` is checked again first: something may have appeared there while the
+    model was converted, and it is not ours to delete; then the new checkpoint stays in tmp and the error says so."""
+    try:
+        check_output_path(out, overwrite)
+    except QuantizeError as e:
+        raise QuantizeError(f"{out} changed while the model was converted ({e}); the new checkpoint is in {tmp}"
+                            ) from None
+    try:
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / out.name)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(old / out.name, out)  # put the old checkpoint back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except OSError as e:
+        raise QuantizeError(f"cannot move the new checkpoint to {out}: {e}; it is in {tmp}") from None
 
 
 class ShardWriter:
@@ -144,7 +168,10 @@ class ShardWriter:
         if not self.pending:
             return
         file = f"shard-{len(self.shards):05d}.safetensors.part"
-        save_file(self.pending, str(self.folder / file), metadata={"format": "pt"})
+        try:
+            save_file(self.pending, str(self.folder / file), metadata={"format": "pt"})
+        except Exception as e:  # a full disk, a file-size limit: safetensors raises its own error type
+            raise QuantizeError(f"cannot write the checkpoint's tensors in {self.folder}: {e}") from None
         self.shards.append((file, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

@@ -279,6 +279,55 @@ def test_sigterm_leaves_nothing_behind(tmp_path):
     assert leftovers(tmp_path, "q") == [] and not out.exists()
 
 
+def test_a_folder_that_appears_at_out_during_the_run_is_left_alone(tmp_path):
+    """OUT is checked again before the new checkpoint moves in: what appeared there is not ours to delete, and the
+    new checkpoint is kept where it was written."""
+    from eightbit.quant import writer
+
+    out = tmp_path / "q"
+    with pytest.raises(QuantizeError, match=r"changed while the model was converted \(.*\); the new checkpoint is in") as e:
+        with writer.atomic_output_dir(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+            out.mkdir()
+            (out / "precious.txt").write_text("notes")
+    assert (out / "precious.txt").read_text() == "notes"
+    assert (tmp / "config.json").exists() and str(tmp) in str(e.value)
+
+
+def test_a_symlinked_or_relative_out_is_written_where_it_points(tmp_path, monkeypatch):
+    from eightbit.quant import writer
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with writer.atomic_output_dir(tmp_path / "link", overwrite=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (tmp_path / "link").is_symlink() and (real / "config.json").exists()
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with writer.atomic_output_dir(".", overwrite=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (here / "config.json").exists() and leftovers(tmp_path, "here") == []
+
+
+def test_write_failures_are_clear_errors_and_leave_nothing(monkeypatch, src, calib, tmp_path):
+    from eightbit.quant import writer
+
+    monkeypatch.setattr(writer.os, "access", lambda *a: False)
+    with pytest.raises(QuantizeError, match="cannot write in .* \\(permission denied\\)"):
+        run(src, tmp_path / "q", calib)
+    monkeypatch.undo()
+
+    def disk_full(*a, **k):
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(writer, "save_file", disk_full)
+    with pytest.raises(QuantizeError, match="cannot write the checkpoint's tensors .*File too large"):
+        run(src, tmp_path / "q", calib)
+    assert not (tmp_path / "q").exists() and leftovers(tmp_path, "q") == []
+
+
 def test_sigterm_handler_is_set_only_during_the_run(tmp_path):
     from eightbit.quant import writer
 
@@ -453,9 +502,56 @@ def test_unsupported_sources(tmp_path, tokenizer, calib):
     with pytest.raises(QuantizeError, match="unsupported model type 'gpt2'"):
         run(gpt2, tmp_path / "q", calib)
     sw = make_tiny_checkpoint(tmp_path / "sw", "mistral", tokenizer=tokenizer, num_hidden_layers=1, sliding_window=16)
-    with pytest.raises(QuantizeError, match="sliding_window"):
+    with pytest.raises(QuantizeError, match="sliding-window"):
         run(sw, tmp_path / "q", calib)
+    # what the engine cannot run is not written: its RoPE scalings included
+    dyn = make_tiny_checkpoint(tmp_path / "dyn", tokenizer=tokenizer, num_hidden_layers=1,
+                               rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(QuantizeError, match="RoPE scaling 'dynamic' is not supported"):
+        run(dyn, tmp_path / "q", calib)
     assert not (tmp_path / "q").exists()
+
+
+def test_a_mistral_window_as_long_as_its_context_is_full_attention(tmp_path, tokenizer, calib):
+    """The engine runs it (the window never cuts), so the quantizer writes it."""
+    sw = make_tiny_checkpoint(tmp_path / "sw", "mistral", tokenizer=tokenizer, num_hidden_layers=1,
+                              sliding_window=256, max_position_embeddings=256)
+    run(sw, tmp_path / "q", calib, num_samples=2, seq_len=32)
+    assert (tmp_path / "q" / "model.safetensors").exists()
+
+
+def _edit_tensors(src, edit):
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_tensors_the_config_does_not_use_are_refused_before_calibrating(monkeypatch, tmp_path, tokenizer, calib):
+    """A q_proj bias with attention_bias false would be dropped, and the output be wrong without a word."""
+    monkeypatch.setattr(convert_module, "collect_layer_stats", lambda *a, **k: pytest.fail("calibration started"))
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=tokenizer, num_hidden_layers=2, max_shard_size="10MB")
+    _edit_tensors(src, lambda t: t.update({"model.layers.1.self_attn.q_proj.bias": torch.ones(64)}))
+    with pytest.raises(QuantizeError, match=r"tensors its config does not use, e.g. "
+                                            r"\['model.layers.1.self_attn.q_proj.bias'\]"):
+        run(src, tmp_path / "q", calib)
+    assert not (tmp_path / "q").exists() and leftovers(tmp_path, "q") == []
+
+
+def test_a_missing_tensor_is_found_before_calibrating(monkeypatch, tmp_path, tokenizer, calib):
+    monkeypatch.setattr(convert_module, "collect_layer_stats", lambda *a, **k: pytest.fail("calibration started"))
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=tokenizer, num_hidden_layers=2, max_shard_size="10MB")
+    _edit_tensors(src, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(QuantizeError, match="the checkpoint has no tensor 'lm_head.weight'"):
+        run(src, tmp_path / "q", calib)
+    assert not (tmp_path / "q").exists()
+
+
+def test_fp8_weights_are_an_already_quantized_source(tmp_path, tokenizer, calib):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=tokenizer, num_hidden_layers=1, max_shard_size="10MB")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    _edit_tensors(src, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)}))
+    with pytest.raises(QuantizeError, match=r"already quantized \(tensor '.*q_proj.weight' is torch.float8_e4m3fn"):
+        run(src, tmp_path / "q", calib)
 
 
 @pytest.mark.parametrize("g", [48, 64, 0])
