@@ -113,4 +113,6 @@ def _missing(model, param, loaded):
 def _copy(param, tensor):
     if tensor.shape != param.shape:
         raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+    if param.is_floating_point() and not tensor.is_floating_point():  # an int8 embedding would be cast silently
+        raise ValueError(f"must be a float tensor, the checkpoint has {tensor.dtype}")
     param.data.copy_(tensor)

@@ -100,6 +100,9 @@ def _open_directory(path: Path) -> Checkpoint:
     name_to_file = {}
     for file in files:
         for name in _safetensors_header(file):
+            if name in name_to_file:  # e.g. a stray copy (model.bak.safetensors) beside the real file
+                raise CheckpointError(f"tensor {name!r} is in both {name_to_file[name].name} and {file.name}: "
+                                      f"which one is the model's? Move the other out of {path}")
             name_to_file[name] = file
     return Checkpoint(path, config, generation_config, _lazy_getter(name_to_file), list(name_to_file))
 

@@ -144,7 +144,12 @@ def read_quantization_config(config) -> QuantScheme:
             f"ignore is {list(ignore)}; eightbit runs checkpoints whose every Linear but lm_head is int8"
         )
     ours = qc.get(EIGHTBIT_KEY) or {}
-    if ours and ours.get("version", EIGHTBIT_VERSION) > EIGHTBIT_VERSION:
+    if not isinstance(ours, dict):
+        raise UnsupportedQuantizationConfig(f"quantization_config.{EIGHTBIT_KEY} must be an object, got {ours!r}")
+    version = ours.get("version", EIGHTBIT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise UnsupportedQuantizationConfig(f"the checkpoint's eightbit version must be an integer, got {version!r}")
+    if version > EIGHTBIT_VERSION:
         raise UnsupportedQuantizationConfig(
             f"the checkpoint's eightbit section has version {ours['version']}, newer than this eightbit reads"
         )
@@ -162,4 +167,5 @@ def read_calibration_summary(config) -> dict | None:
     qc = _get(config, "quantization_config")
     if not isinstance(qc, dict):
         return None
-    return (qc.get(EIGHTBIT_KEY) or {}).get("calibration")
+    ours = qc.get(EIGHTBIT_KEY)
+    return ours.get("calibration") if isinstance(ours, dict) else None

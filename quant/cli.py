@@ -191,6 +191,10 @@ def run_quantize(args) -> int:
             print(f"error: {out} already exists: pass --overwrite to replace it (one path is OUT, for the "
                   f"embedded model; to quantize {out}, give SRC and OUT)", file=sys.stderr)
             return 2
+    if args.no_progress:  # transformers' own bars too (its GGUF conversion has one)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         summary = quantize(
             src, out, calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,

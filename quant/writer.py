@@ -78,19 +78,19 @@ def _raise_on_sigterm(signum, frame):
 
 @contextmanager
 def _sigterm_unwinds():
-    """While the block runs, SIGTERM raises SystemExit(143) instead of killing the process outright.
+    """While the block runs, SIGTERM (and SIGHUP: the terminal closed) raise SystemExit(128 + signal) instead of
+    killing the process outright.
 
-    Only where SIGTERM has its default action (a handler of the caller's, or SIG_IGN, is left
+    Only for a signal with its default action (a handler of the caller's, or SIG_IGN, is left
     alone) and in the main thread (the only one that may set handlers)."""
     main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signals = [s for s in (signal.SIGTERM, signal.SIGHUP) if main and signal.getsignal(s) == signal.SIG_DFL]
+    previous = {s: signal.signal(s, _raise_on_sigterm) for s in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _apply_umask(folder: Path) -> None:

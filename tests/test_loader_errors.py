@@ -124,3 +124,20 @@ def test_a_weight_scale_of_the_wrong_shape(hf_state, shape):
 def test_a_tensor_given_twice_is_refused(hf_state, name):
     with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{name}' appears twice")):
         load(checkpoint(hf_state) + [(name, hf_state[name])])
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "w8a8"])
+def test_an_integer_tensor_for_a_float_parameter_is_refused(hf_state, quantized):
+    """An int8 embedding (or norm) was cast to float silently and generated garbage."""
+    name = "model.embed_tokens.weight"
+    bad = hf_state[name].round().to(torch.int8)
+    with pytest.raises(ValueError, match=f"tensor '{name}': must be a float tensor, the checkpoint has torch.int8"):
+        load(checkpoint(hf_state, quantized, replace={name: bad}), quantized)
+
+
+@pytest.mark.parametrize("bad,message", [(torch.ones(64, 1, dtype=torch.int32), "must be a float tensor"),
+                                         (torch.full((64, 1), float("nan")), "NaN or inf")])
+def test_a_weight_scale_that_is_not_a_finite_float_is_refused(hf_state, bad, message):
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    with pytest.raises(ValueError, match=f"tensor '{name}': .*{message}"):
+        load(checkpoint(hf_state, True, replace={name: bad}), quantized=True)

@@ -90,6 +90,8 @@ def _mutated(path, value):
         (["eightbit", "kv_cache", "group_size"], 0, "group size"),
         (["eightbit", "kv_cache", "bogus"], 1, "malformed"),
         (["eightbit", "version"], 99, "newer"),
+        (["eightbit", "version"], "1", "must be an integer"),  # a string was a TypeError
+        (["eightbit"], [1], "must be an object"),  # a list was an AttributeError
     ],
 )
 def test_unsupported_configs_raise_clear_errors(path, value, message):

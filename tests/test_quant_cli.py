@@ -45,6 +45,20 @@ def test_one_path_is_always_out_for_the_embedded_model(monkeypatch, tmp_path, ca
     assert cli.run_quantize(parse([])) == 2 and "missing OUT" in capsys.readouterr().err
 
 
+def test_no_progress_silences_transformers_bars_too(monkeypatch, tmp_path):
+    """transformers' GGUF conversion draws a bar of its own, which --no-progress left on."""
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+    monkeypatch.setattr(cli, "quantize", lambda *a, **kw: seen.append(hf_logging.is_progress_bar_enabled()) or {})
+    monkeypatch.setattr(cli, "_report", lambda out, summary: None)
+    try:
+        assert cli.run_quantize(parse([str(tmp_path / "q"), "--no-progress"])) == 0
+        assert seen == [False]
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 @pytest.fixture
 def no_model_loading(monkeypatch):
     from eightbit.engine import weights

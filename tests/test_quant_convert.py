@@ -335,16 +335,20 @@ def test_sigterm_handler_is_set_only_during_the_run(tmp_path):
         pass
 
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     try:
         with writer.atomic_output_dir(tmp_path / "q"):
             assert signal.getsignal(signal.SIGTERM) is writer._raise_on_sigterm
+            assert signal.getsignal(signal.SIGHUP) is writer._raise_on_sigterm  # the terminal closed
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
         signal.signal(signal.SIGTERM, callers)
         with writer.atomic_output_dir(tmp_path / "q2"):  # a handler of the caller's is left alone
             assert signal.getsignal(signal.SIGTERM) is callers
         assert signal.getsignal(signal.SIGTERM) is callers
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGHUP, previous_hup)
     with pytest.raises(SystemExit) as e:
         writer._raise_on_sigterm(signal.SIGTERM, None)
     assert e.value.code == 143

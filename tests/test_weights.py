@@ -42,6 +42,15 @@ def test_truncated_safetensors(tmp_path):
         open_checkpoint(tmp_path)
 
 
+def test_a_tensor_in_two_files_is_refused(tmp_path):
+    """A stray copy beside the real file (model.bak.safetensors) was merged in, the last file's tensor winning."""
+    write_config(tmp_path, model_type="llama")
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    save_file({"w": torch.ones(2)}, tmp_path / "model.bak.safetensors")
+    with pytest.raises(CheckpointError, match="tensor 'w' is in both model.bak.safetensors and model.safetensors"):
+        open_checkpoint(tmp_path)
+
+
 def test_garbage_safetensors(tmp_path):
     write_config(tmp_path, model_type="llama")
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)

@@ -64,6 +64,10 @@ class Linear(nn.Module):
                              f"{tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
         if self.quantized and param_name == "weight" and tensor.dtype != torch.int8:
             raise ValueError(f"W8A8 weight must be int8, the checkpoint has {tensor.dtype}")
+        if param.is_floating_point() and not tensor.is_floating_point():
+            raise ValueError(f"{param_name} must be a float tensor, the checkpoint has {tensor.dtype}")
+        if param_name == "weight_scale" and not torch.isfinite(tensor).all():
+            raise ValueError("weight_scale holds NaN or inf values")
         param.data.copy_(tensor)
 
     @torch.no_grad()
