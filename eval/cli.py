@@ -28,11 +28,12 @@ def add_eval_parser(subparsers):
                             "see eightbit.eval.configs.CONFIGS")
         q.add_argument("--model", default=None, help="float checkpoint (default: the embedded SmolLM2-135M-Instruct)")
         q.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-        q.add_argument("--data-dir", default=None, help="eval data (default: $EIGHTBIT_DATA, else <repo>/../shared/data)")
+        q.add_argument("--data-dir", default=None, help="eval data (default: $EIGHTBIT_DATA, else ../shared/data beside the source tree, which only "
+                            "an editable install has)")
         q.add_argument("--sq-checkpoint", default=None,
                        help="SmoothQuant W8A8 checkpoint for the w8a8-sq configs; made with `eightbit quantize` "
                             "if it does not exist (default: $EIGHTBIT_SQ_CHECKPOINT or ~/.cache/eightbit/eval/...)")
-        q.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="engine KV-cache size")
+        q.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="engine KV-cache size (default: 2.0)")
         q.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON, markdown table and PNG chart")
         q.add_argument("--no-progress", action="store_true", help="no progress bars")
         q.add_argument("--overwrite", action="store_true", help="replace an earlier run's results in --out")

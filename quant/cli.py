@@ -145,8 +145,8 @@ SIGTERM) leaves nothing.
 
 CALIB_HELP = """calibration text: a local text file, or hf:NAME[:CONFIG][:SPLIT] for a `datasets`
 source (its 'text' column; split defaults to validation). Default: $EIGHTBIT_CALIB_DATA, else
-WikiText-2 raw validation at ../shared/data/wikitext-2/wiki.valid.raw beside the source tree;
-if neither exists, this option is required. Never calibrate on text you evaluate on."""
+WikiText-2 raw validation at ../shared/data/wikitext-2/wiki.valid.raw beside the source tree
+(only an editable install has one); if neither exists, this option is required. Never calibrate on text you evaluate on."""
 
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
