@@ -29,7 +29,8 @@ def add_generate_parser(subparsers):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: the engine's seed, 0, so a sampled run repeats itself)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.set_defaults(func=run_generate)
@@ -40,6 +41,8 @@ def run_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
+    if any(not p for p in args.prompts):  # refused before the model loads; with --chat the template is never empty
+        raise ValueError("a prompt is empty")
     llm = LLM(args.model, **engine_options(args))
     prompts = args.prompts
     if args.chat:

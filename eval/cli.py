@@ -58,7 +58,7 @@ def _meta(args, extra) -> dict:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    machine = f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPU cores".strip()
+    machine = " ".join(filter(None, (platform.machine(), platform.processor(), f"{os.cpu_count()} CPU cores")))
     if device.startswith("cuda") and torch.cuda.is_available():
         machine += f", {torch.cuda.get_device_name()}"
     return {
@@ -115,6 +115,10 @@ def _check_args(args, stem, positive):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not args.kv_cache_memory_gb > 0:
+        raise ValueError(f"--kv-cache-memory-gb must be > 0, got {args.kv_cache_memory_gb}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder: the results would be lost after the run")
     taken = [p.name for p in (Path(args.out) / f"{stem}{ext}" for ext in (".json", ".md", ".png")) if p.exists()]
     if taken and not args.overwrite:
         raise ValueError(f"{args.out} already holds an earlier run's results ({', '.join(taken)}): "
@@ -130,7 +134,6 @@ def _write_chart(draw, rows, path: Path, *extra):
 
 
 def run_ppl(args) -> int:
-    from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
     from eightbit.engine.weights import open_checkpoint
@@ -146,6 +149,8 @@ def run_ppl(args) -> int:
     window = min(args.window_size, max_pos - 1)
     windows = make_windows(ids, window, args.windows)
     total_windows = len(make_windows(ids, window))
+    if not windows:
+        raise ValueError(f"the WikiText-2 test text in {data_dir} has {len(ids)} tokens: not one window of {window}")
     print(f"[eval] WikiText-2 test: {len(ids):,} tokens, {len(windows)} of {total_windows} windows of {window}",
           flush=True)
     out = Path(args.out)
@@ -165,27 +170,45 @@ def run_ppl(args) -> int:
             except Exception as e:
                 traceback.print_exc()
                 rows.append(_error_row(config, f"{type(e).__name__}: {e}"))
-        report.write_json(out / "ppl.json", {"meta": meta, "rows": rows})
-    table = report.ppl_table(rows)
-    header = (f"WikiText-2 raw test, {len(windows)}/{total_windows} windows of {window} tokens "
-              f"({next((r['scored_tokens'] for r in rows if 'scored_tokens' in r), 0):,} scored tokens), "
-              f"{meta['machine']}, {meta['date']}")
-    (out / "ppl.md").write_text(header + "\n\n" + table + "\n")
-    chart = _write_chart(report.ppl_chart, rows, out / "ppl.png")
+        header, table, chart = _write_ppl_results(out, meta, rows)
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'ppl.json'}, {out / 'ppl.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def run_tasks(args) -> int:
+def _write_ppl_results(out, meta, rows):
+    """JSON, markdown table and chart of the rows so far: rewritten together after every configuration, so an
+    interrupted run leaves the three agreeing (not a new JSON beside an earlier run's table)."""
     from eightbit.eval import report
+
+    report.write_json(out / "ppl.json", {"meta": meta, "rows": rows})
+    table = report.ppl_table(rows)
+    header = (f"WikiText-2 raw test, {meta['windows']}/{meta['total_windows']} windows of {meta['window']} tokens "
+              f"({next((r['scored_tokens'] for r in rows if 'scored_tokens' in r), 0):,} scored tokens), "
+              f"{meta['machine']}, {meta['date']}")
+    (out / "ppl.md").write_text(header + "\n\n" + table + "\n")
+    return header, table, _write_chart(report.ppl_chart, rows, out / "ppl.png")
+
+
+def _write_tasks_results(out, meta, rows, tasks):
+    """As _write_ppl_results, for the task accuracies."""
+    from eightbit.eval import report
+
+    report.write_json(out / "tasks.json", {"meta": meta, "rows": rows})
+    table = report.tasks_table(rows, tasks)
+    header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}"
+    (out / "tasks.md").write_text(header + "\n\n" + table + "\n")
+    return header, table, _write_chart(report.tasks_chart, rows, out / "tasks.png", tasks)
+
+
+def run_tasks(args) -> int:
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.tasks import TASKS, evaluate_task, load_task
 
     _check_args(args, "tasks", ("limit", "max_model_len"))
     configs = parse_configs(args.configs)
     check_float_model(args.model)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))  # order kept, once each
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS)}")
@@ -213,11 +236,7 @@ def run_tasks(args) -> int:
                     traceback.print_exc()
                     row.setdefault("task_errors", {})[task] = f"{type(e).__name__}: {e}"
             rows.append(row)
-        report.write_json(out / "tasks.json", {"meta": meta, "rows": rows})
-    table = report.tasks_table(rows, tasks)
-    header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}"
-    (out / "tasks.md").write_text(header + "\n\n" + table + "\n")
-    chart = _write_chart(report.tasks_chart, rows, out / "tasks.png", tasks)
+        header, table, chart = _write_tasks_results(out, meta, rows, tasks)
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'tasks.json'}, {out / 'tasks.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r and "task_errors" not in r for r in rows) else 1

@@ -87,7 +87,8 @@ def tasks_table(rows, tasks) -> str:
         for t, m in cols:
             res = r.get("tasks", {}).get(t)
             if res is None or m not in res:
-                cells.append("—")
+                error = r.get("task_errors", {}).get(t)
+                cells.append(f"error: {error}" if error and m == "acc" else "—")  # why, not a bare dash
                 continue
             cell = f"{100 * res[m]:.2f}"
             d = deltas[(t, m)].get(r["config"])
@@ -130,8 +131,9 @@ def ppl_chart(rows, path, title="WikiText-2 perplexity") -> Path | None:
     values = [deltas[n] if deltas[n] is not None else 0.0 for n in names]
     colors = ["tab:blue" if r["backend"] == "engine" else "tab:gray" for r in good]
     ax.barh(names, values, color=colors)
-    for i, (v, r) in enumerate(zip(values, good)):
-        ax.text(v, i, f" {v:+.2f}% (ppl {r['ppl']:.3f})", va="center", fontsize=8)
+    for i, (n, v, r) in enumerate(zip(names, values, good)):
+        delta = "no baseline" if deltas[n] is None else f"{v:+.2f}%"  # as the table's "—", not a +0.00 % bar
+        ax.text(v, i, f" {delta} (ppl {r['ppl']:.3f})", va="center", fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("Δ perplexity vs baseline (%)  [blue: eightbit, gray: HF peers]")

@@ -114,7 +114,11 @@ LOADERS = {"arc_easy": load_arc_easy, "hellaswag": load_hellaswag, "lambada": lo
 def load_task(task, data_dir, limit=None) -> list[Item]:
     if task not in LOADERS:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-    return LOADERS[task](data_file(data_dir, TASK_FILES[task]), limit)
+    path = data_file(data_dir, TASK_FILES[task])
+    try:
+        return LOADERS[task](path, limit)
+    except (KeyError, IndexError, TypeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not {task} data as eightbit reads it: {type(e).__name__}: {e}") from None
 
 
 # --- requests ---------------------------------------------------------------------------------

@@ -60,6 +60,15 @@ def test_generate_chat_streams_the_chat_reply(llm, capsys):
     assert capsys.readouterr().out == ref + "\n"
 
 
+def test_generate_refuses_an_empty_prompt_with_or_without_chat(capsys, monkeypatch):
+    import eightbit
+
+    monkeypatch.setattr(eightbit, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    for flags in ([], ["--chat"]):
+        assert main(["generate", *flags, "hi", ""]) == 2
+        assert "a prompt is empty" in capsys.readouterr().err
+
+
 def test_eval_cli_tasks_end_to_end(tmp_path, capsys, hf_model, tokenizer):
     from eightbit.eval.configs import resolve_data_dir
     from eightbit.eval.tasks import build_requests, load_task

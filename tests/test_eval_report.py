@@ -102,6 +102,64 @@ def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, mo
     assert "--windows must be >= 1" in capsys.readouterr().err
     assert main(["tasks", "--configs", "fp32", "--limit", "0", "--out", str(tmp_path / "new")]) == 2
     assert "--limit must be >= 1" in capsys.readouterr().err
+    assert main(["ppl", "--configs", "fp32", "--kv-cache-memory-gb", "0", "--out", str(tmp_path / "new")]) == 2
+    assert "--kv-cache-memory-gb must be > 0" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")  # found after scoring, the results were lost to a FileExistsError
+    assert main(["ppl", "--configs", "fp32", "--out", str(tmp_path / "afile")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_leaves_its_json_table_and_chart_agreeing(tmp_path, monkeypatch):
+    """The markdown table and the chart are rewritten with the JSON after every configuration: an interrupted
+    --overwrite run left its new JSON beside the earlier run's table and chart."""
+    import eightbit.eval.configs as configs
+    from eightbit.eval.cli import main
+
+    real = configs.build_scorer
+
+    def build(config, **kw):
+        if config.name == "bf16":
+            raise KeyboardInterrupt
+        return real(config, **kw)
+
+    (tmp_path / "ppl.md").write_text("| bf16 | engine | 15.1374 | an earlier run |")
+    monkeypatch.setattr(configs, "build_scorer", build)
+    with pytest.raises(KeyboardInterrupt):
+        main(["ppl", "--configs", "fp32,bf16", "--windows", "1", "--window-size", "48", "--device", "cpu",
+              "--kv-cache-memory-gb", "0.25", "--out", str(tmp_path), "--no-progress", "--overwrite"])
+    rows = json.loads((tmp_path / "ppl.json").read_text())["rows"]
+    table = (tmp_path / "ppl.md").read_text()
+    assert [r["config"] for r in rows] == ["fp32"] and "| fp32 | engine |" in table and "15.1374" not in table
+    assert (tmp_path / "ppl.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_no_window_is_an_error_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    import eightbit.eval.configs as configs
+    from eightbit.eval.cli import main
+
+    (tmp_path / "data" / "wikitext-2").mkdir(parents=True)
+    (tmp_path / "data" / "wikitext-2" / "wiki.test.raw").write_text("")
+    monkeypatch.setattr(configs, "build_scorer", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["ppl", "--configs", "fp32", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "o")]) == 2
+    assert "not one window" in capsys.readouterr().err
+
+
+def test_the_chart_says_no_baseline_where_the_table_shows_a_dash(tmp_path, monkeypatch):
+    texts = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: texts.append(s) or real(self, x, y, s, **kw))
+    rows = [dict(PPL_ROWS[1], config="kv8-g32")]  # its baseline bf16 is not in the run
+    assert "| kv8-g32 | engine | 10.0200 | — |" in report.ppl_table(rows)
+    report.ppl_chart(rows, tmp_path / "ppl.png")
+    assert texts == [" no baseline (ppl 10.020)"]
+
+
+def test_task_errors_are_shown_in_the_table():
+    rows = [{"config": "bf16", "backend": "engine", "baseline": "bf16", "tasks": {},
+             "task_errors": {"lambada": "ValueError: the prompt is longer than max_model_len"}}]
+    assert "error: ValueError: the prompt is longer than max_model_len" in report.tasks_table(rows, ["lambada"])
 
 
 def test_eval_cli_header_and_chart_when_a_configuration_fails(tmp_path, capsys, monkeypatch):

@@ -32,6 +32,20 @@ def test_loaders_read_the_shared_files():
     assert not lam[0].context.endswith(" ")
 
 
+@pytest.mark.parametrize("task,path,text", [
+    ("lambada", "lambada/lambada_test.jsonl", '{"txt": "a b c"}\n'),  # a KeyError traceback before
+    ("arc_easy", "arc-easy/ARC-Easy-Test.jsonl", '{"id": "x", "question": {"stem": "q", "choices": '
+     '[{"label": "A", "text": "a"}]}, "answerKey": "E"}\n'),  # "'E' is not in list", no file named
+    ("arc_easy", "arc-easy/ARC-Easy-Test.jsonl", "{not json\n"),
+    ("hellaswag", "hellaswag/hellaswag_val_full.txt", "ctx\nthree\na\nb\nc\nd\n"),  # a gold label not a number
+])
+def test_a_malformed_data_file_is_named_in_the_error(tmp_path, task, path, text):
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / path).write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path / path} is not {task} data as eightbit reads it"):
+        load_task(task, tmp_path)
+
+
 def test_hellaswag_preprocess_as_lm_eval():
     assert hellaswag_preprocess(" Do it [title] Then [step] go.  Now") == "Do it. Then go. Now"
     # lm-eval strips before removing brackets, so a leading "[header] " leaves its space: kept as lm-eval does
