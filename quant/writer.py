@@ -3,8 +3,9 @@
 `atomic_output_dir(out, overwrite)` yields a fresh temp dir beside `out`; only when the
 block finishes is it given the umask's permissions and renamed to `out` (replacing an old `out`
 if overwrite, which must be empty or an eightbit checkpoint: see `check_output_path`). Any
-exception, KeyboardInterrupt and SIGTERM included, removes the temp dir, so a failed run leaves
-nothing behind.
+exception in the block, KeyboardInterrupt, SIGTERM and SIGHUP included, removes the temp dir, so a
+failed run leaves nothing behind. A finished checkpoint that cannot be moved to `out` (something
+appeared there meanwhile, or the rename failed) stays in the temp dir, and the error names it.
 `ShardWriter` writes tensors in the order given, flushing a shard when it would pass the size
 limit, and names them as transformers does (model.safetensors, or model-0000k-of-0000n with
 model.safetensors.index.json).
