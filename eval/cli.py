@@ -125,15 +125,8 @@ def _check_args(args, stem, positive):
                          f"pass --overwrite to replace them, or another --out")
 
 
-def _write_chart(draw, rows, path: Path, *extra):
-    """The chart of this run's rows, or none: an earlier run's chart is not left beside this run's tables."""
-    chart = draw(rows, *extra, path)
-    if chart is None:
-        path.unlink(missing_ok=True)
-    return chart
-
-
 def run_ppl(args) -> int:
+    from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
     from eightbit.engine.weights import open_checkpoint
@@ -170,38 +163,36 @@ def run_ppl(args) -> int:
             except Exception as e:
                 traceback.print_exc()
                 rows.append(_error_row(config, f"{type(e).__name__}: {e}"))
-        header, table, chart = _write_ppl_results(out, meta, rows)
+        header, table = _ppl_header(meta, rows), report.ppl_table(rows)
+        chart = _write_results(out, "ppl", meta, rows, header, table, report.ppl_chart)
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'ppl.json'}, {out / 'ppl.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def _write_ppl_results(out, meta, rows):
-    """JSON, markdown table and chart of the rows so far: rewritten together after every configuration, so an
-    interrupted run leaves the three agreeing (not a new JSON beside an earlier run's table)."""
+def _write_results(out, stem, meta, rows, header, table, draw, *extra):
+    """JSON, markdown table and chart of the rows so far, rewritten together after every configuration, so an
+    interrupted run leaves the three agreeing (not a new JSON beside an earlier run's table). Returns the chart,
+    or None where no row has a result to draw: an earlier run's chart is then removed, not left beside this run's
+    tables."""
     from eightbit.eval import report
 
-    report.write_json(out / "ppl.json", {"meta": meta, "rows": rows})
-    table = report.ppl_table(rows)
-    header = (f"WikiText-2 raw test, {meta['windows']}/{meta['total_windows']} windows of {meta['window']} tokens "
-              f"({next((r['scored_tokens'] for r in rows if 'scored_tokens' in r), 0):,} scored tokens), "
-              f"{meta['machine']}, {meta['date']}")
-    (out / "ppl.md").write_text(header + "\n\n" + table + "\n")
-    return header, table, _write_chart(report.ppl_chart, rows, out / "ppl.png")
+    report.write_json(out / f"{stem}.json", {"meta": meta, "rows": rows})
+    (out / f"{stem}.md").write_text(header + "\n\n" + table + "\n")
+    chart = draw(rows, *extra, out / f"{stem}.png")
+    if chart is None:
+        (out / f"{stem}.png").unlink(missing_ok=True)
+    return chart
 
 
-def _write_tasks_results(out, meta, rows, tasks):
-    """As _write_ppl_results, for the task accuracies."""
-    from eightbit.eval import report
-
-    report.write_json(out / "tasks.json", {"meta": meta, "rows": rows})
-    table = report.tasks_table(rows, tasks)
-    header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}"
-    (out / "tasks.md").write_text(header + "\n\n" + table + "\n")
-    return header, table, _write_chart(report.tasks_chart, rows, out / "tasks.png", tasks)
+def _ppl_header(meta, rows) -> str:
+    return (f"WikiText-2 raw test, {meta['windows']}/{meta['total_windows']} windows of {meta['window']} tokens "
+            f"({next((r['scored_tokens'] for r in rows if 'scored_tokens' in r), 0):,} scored tokens), "
+            f"{meta['machine']}, {meta['date']}")
 
 
 def run_tasks(args) -> int:
+    from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.tasks import TASKS, evaluate_task, load_task
 
@@ -236,7 +227,8 @@ def run_tasks(args) -> int:
                     traceback.print_exc()
                     row.setdefault("task_errors", {})[task] = f"{type(e).__name__}: {e}"
             rows.append(row)
-        header, table, chart = _write_tasks_results(out, meta, rows, tasks)
+        header, table = f"Zero-shot tasks, {meta['machine']}, {meta['date']}", report.tasks_table(rows, tasks)
+        chart = _write_results(out, "tasks", meta, rows, header, table, report.tasks_chart, tasks)
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'tasks.json'}, {out / 'tasks.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r and "task_errors" not in r for r in rows) else 1

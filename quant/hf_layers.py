@@ -44,7 +44,6 @@ def check_float(checkpoint, config_only: bool = False) -> None:
 def check_supported(config) -> None:
     """Raise QuantizeError unless the config is a Llama-architecture model the engine runs (the engine's own
     checks, RoPE scaling included: a checkpoint it would refuse is not written)."""
-    from eightbit.engine.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
     from eightbit.engine.models.llama import check_supported as engine_check_supported
 
     mt = getattr(config, "model_type", None)
@@ -56,9 +55,6 @@ def check_supported(config) -> None:
         engine_check_supported(config)
     except ValueError as e:
         raise QuantizeError(str(e)) from None
-    if rope_type(config) not in SUPPORTED_ROPE_TYPES:
-        raise QuantizeError(f"RoPE scaling {rope_type(config)!r} is not supported "
-                            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     arch = getattr(config, "architectures", None) or []
     if arch and arch[0] != ARCHITECTURES[mt]:
         raise QuantizeError(f"unsupported architecture {arch[0]!r} for model type {mt!r}")

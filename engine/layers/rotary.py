@@ -10,13 +10,17 @@ def rope_type(config) -> str:
     return params.get("rope_type", params.get("type", "default"))
 
 
+def check_rope_type(config) -> None:
+    kind = rope_type(config)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
 def cos_sin_cache(config, max_positions: int) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first half of the columns, sin in the second."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    kind = rope_type(config)
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    check_rope_type(config)
     rope = LlamaRotaryEmbedding(config)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, rope.inv_freq.float())

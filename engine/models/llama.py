@@ -12,6 +12,7 @@ from torch import nn
 from eightbit.engine.layers.attention import Attention
 from eightbit.engine.layers.linear import Linear
 from eightbit.engine.layers.norm import RMSNorm, SiluAndMul
+from eightbit.engine.layers.rotary import check_rope_type
 from eightbit.quant.schemes import head_dim
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -43,6 +44,7 @@ def check_supported(config):
         raise ValueError("Qwen2 sliding-window attention is not implemented")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
+    check_rope_type(config)
 
 
 class LlamaAttention(nn.Module):
