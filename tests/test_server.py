@@ -97,6 +97,20 @@ def test_models_health_metrics(server, client):
         assert f"eightbit_{name}" in text
 
 
+def test_model_retrieve_by_id(server, client):
+    """GET /v1/models/{id}: the served model's card (its id may hold a slash), 404 model_not_found otherwise,
+    both counted under one metric label whatever the id."""
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    before = metrics(server)
+    httpx.get(server.url + "/v1/models/x/y/z")
+    after = metrics(server)
+    label = 'eightbit_http_responses_total{endpoint="/v1/models/{id}",status="404"}'
+    assert after[label] == before.get(label, 0) + 1
+
+
 def test_completions_greedy_equal_offline(server, client, offline):
     ref = offline.generate(PROMPTS, greedy(), use_tqdm=False)
     tok = offline.get_tokenizer()

@@ -1,4 +1,4 @@
-"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models[/{id}], /health, /metrics.
 
 A handler validates the body, maps it to `SamplingParams`, tokenizes (chat template included) on a
 small thread pool, checks the context length and the queue bound, then submits token ids to the
@@ -515,10 +515,17 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         return PlainTextResponse(state.metrics.render(async_engine.stats),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card():
+        return P.ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        card = P.ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
-        return P.ModelList(data=[card])
+        return P.ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")  # :path, since model ids have slashes ("org/name")
+    async def model(model_id: str):
+        _check_model(state, model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, raw_request: Request):
@@ -624,7 +631,11 @@ class _CountResponses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"] if scope["path"] in self.ENDPOINTS else "other"
+        path = scope["path"]
+        if path.startswith("/v1/models/"):
+            path = "/v1/models/{id}"  # one label for every id, so a client cannot grow the metric without bound
+        elif path not in self.ENDPOINTS:
+            path = "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
