@@ -59,7 +59,7 @@ class BlockManager:
         self._num_tokens: dict = {}  # seq_id -> tokens its table holds (its length as last told)
         self._hashes: dict = {}  # seq_id -> chain hashes of its leading computed full blocks
         self.num_prefix_hit_tokens = 0  # tokens served from the cache by allocate()
-        self.num_prefix_queried_tokens = 0  # tokens asked for by allocate(); hit rate = hit / queried
+        self.num_prefix_queried_tokens = 0  # tokens looked up by allocate(); hit rate = hit / queried
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,7 +85,8 @@ class BlockManager:
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it first")
-        hits, hashes = self._find_cached(token_ids) if use_prefix_cache else ([], [])
+        looked_up = use_prefix_cache and self.enable_prefix_caching
+        hits, hashes = self._find_cached(token_ids) if looked_up else ([], [])
         num_new = self._blocks_for(len(token_ids)) - len(hits)
         num_revived = sum(1 for b in hits if self._ref[b] == 0)  # hits that sit in the free queue
         if num_new + num_revived > len(self._free):
@@ -98,8 +99,9 @@ class BlockManager:
         self._num_tokens[seq_id] = len(token_ids)
         self._hashes[seq_id] = hashes
         num_cached = len(hits) * self.block_size
-        self.num_prefix_hit_tokens += num_cached
-        self.num_prefix_queried_tokens += len(token_ids)
+        if looked_up:  # a request that skips the cache (or a cache turned off) must not dilute the hit rate
+            self.num_prefix_hit_tokens += num_cached
+            self.num_prefix_queried_tokens += len(token_ids)
         return num_cached
 
     def append_slots(self, seq_id, num_tokens: int) -> list[tuple[int, int]] | None:

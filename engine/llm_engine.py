@@ -316,9 +316,7 @@ class LLMEngine:
             family = [seq]
             if len(request.seqs) < request.params.n:
                 for index in range(1, request.params.n):
-                    child = Sequence(request, seq.token_ids, index)
-                    child.num_prompt_tokens = seq.num_prompt_tokens
-                    child.num_computed_tokens = seq.num_computed_tokens
+                    child = seq.fork(index)
                     self._init_sequence(child)
                     self.block_manager.fork(seq.seq_id, child.seq_id)
                     self.scheduler.add_running(child)

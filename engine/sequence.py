@@ -62,6 +62,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def fork(self, index: int) -> "Sequence":
+        """Sample `index` of this sequence's request, a copy of it so far. It keeps the parent's place in line:
+        a request's samples are preempted as late as the request itself, not as if they had just arrived."""
+        child = Sequence(self.request, self.token_ids, index)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_computed_tokens = self.num_computed_tokens
+        child.arrival = self.arrival
+        return child
+
     def sort_key(self):
         """Scheduling order: lower priority value first, then first come first served."""
         return (self.priority, self.arrival)

@@ -176,6 +176,19 @@ def test_prefix_caching_disabled():
     bm.mark_computed("a", prompt, 9)
     assert bm.allocate("b", prompt) == 0 and bm.num_prefix_hit_tokens == 0
     assert not bm._cached
+    assert bm.num_prefix_queried_tokens == 0  # nothing was looked up
+
+
+def test_a_request_that_skips_the_cache_is_not_counted_as_queried():
+    """A prompt-logprobs request skips the lookup (it needs every position's logits): it is neither a hit nor a
+    miss, so the hit rate is that of the requests that asked."""
+    bm = BlockManager(8, block_size=4)
+    prompt = tokens(9)
+    bm.allocate("a", prompt)
+    bm.mark_computed("a", prompt, 9)
+    assert bm.allocate("b", prompt, use_prefix_cache=False) == 0
+    assert bm.allocate("c", prompt) == 8
+    assert (bm.num_prefix_hit_tokens, bm.num_prefix_queried_tokens) == (8, 18)
 
 
 # ---------------------------------------------------------------- fork and copy-on-write

@@ -71,8 +71,7 @@ def test_a_request_with_n_samples_takes_n_seats_before_it_forks():
     assert late.status is SequenceStatus.WAITING
     finish_step(out)
     for index in (1, 2):  # what the engine's fork does when the prompt is done
-        child = type(request.seqs[0])(request, request.seqs[0].token_ids, index)
-        child.num_computed_tokens = request.seqs[0].num_computed_tokens
+        child = request.seqs[0].fork(index)
         bm.fork(request.seqs[0].seq_id, child.seq_id)
         request.seqs.append(child)
         sched.add_running(child)
@@ -89,6 +88,28 @@ def test_out_of_blocks_preempts_the_latest_and_it_restarts_from_scratch():
     assert b.token_ids[-1] == 7  # keeps its sampled token; recompute covers prompt + output
     assert bm.num_used_blocks == 3
     assert sched.num_preemptions == 1
+
+
+def test_forked_samples_keep_their_requests_place_in_line():
+    """Out of blocks, the later request is preempted, not a sample of an earlier one. A sample forked when its
+    request's prompt is done once took a fresh arrival number, so a request that arrived while the prompt was
+    prefilled counted as earlier and kept its blocks at the sample's expense."""
+    sched, bm = make(num_blocks=6, budget=100)  # 24 slots of 4
+    request = Request("n2", None, list(range(7)), SamplingParams(n=2, max_tokens=50))
+    first = request.seqs[0]
+    sched.add(first)
+    later = add(sched, 7, start=50)
+    finish_step(sched.schedule())  # both prompts done (2 blocks each); fork as the engine does
+    child = first.fork(1)
+    bm.fork(first.seq_id, child.seq_id)
+    request.seqs.append(child)
+    sched.add_running(child)
+    assert (child.num_prompt_tokens, child.num_computed_tokens, child.token_ids) == (7, 7, first.token_ids)
+    finish_step(sched.schedule())  # one copy-on-write for the shared second block: 1 block left free
+    assert bm.num_free_blocks == 1
+    out = sched.schedule()  # each of the three needs a third block
+    assert out.preempted == [later]
+    assert sched.running == [first, child]
 
 
 def test_priority_orders_admission_and_preemption():
