@@ -83,6 +83,11 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"eightbit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
+        note = getattr(args, "interrupt_note", None)
+        print(f"\neightbit {args.command}: interrupted" + (f"; {note.format(**vars(args))}" if note else ""),
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def add_eval_parser(subparsers):
         q.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON, markdown table and PNG chart")
         q.add_argument("--no-progress", action="store_true", help="no progress bars")
         q.add_argument("--overwrite", action="store_true", help="replace an earlier run's results in --out")
+        q.set_defaults(interrupt_note="the configurations finished before it are in {out}")
 
     q = sub.add_parser("ppl", help="WikiText-2 (raw, test) perplexity over non-overlapping windows")
     common(q)

@@ -175,7 +175,7 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                    help="replace OUT if it is an empty folder or an eightbit checkpoint (config.json with "
                    "eightbit's quantization_config, and only checkpoint files); anything else is refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=run_quantize)
+    p.set_defaults(func=run_quantize, interrupt_note="OUT is as it was before the run (written atomically)")
     return p
 
 

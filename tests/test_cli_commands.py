@@ -69,6 +69,22 @@ def test_generate_refuses_an_empty_prompt_with_or_without_chat(capsys, monkeypat
         assert "a prompt is empty" in capsys.readouterr().err
 
 
+def test_ctrl_c_ends_with_a_line_and_exit_130(capsys, monkeypatch, tmp_path):
+    """Ctrl-C: one line on stderr instead of a traceback (eval says where its finished rows are), exit 130."""
+    import eightbit.eval.cli as eval_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_cli, "run_tasks", interrupted)
+    assert main(["eval", "tasks", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == f"eightbit eval: interrupted; the configurations finished before it are in {tmp_path}"
+    monkeypatch.setattr("eightbit.cli.run_generate", interrupted)
+    assert main(["generate", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "eightbit generate: interrupted"
+
+
 def test_eval_cli_tasks_end_to_end(tmp_path, capsys, hf_model, tokenizer):
     from eightbit.eval.configs import resolve_data_dir
     from eightbit.eval.tasks import build_requests, load_task

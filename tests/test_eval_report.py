@@ -109,7 +109,7 @@ def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, mo
     assert "is a file, not a folder" in capsys.readouterr().err
 
 
-def test_an_interrupted_run_leaves_its_json_table_and_chart_agreeing(tmp_path, monkeypatch):
+def test_an_interrupted_run_leaves_its_json_table_and_chart_agreeing(tmp_path, monkeypatch, capsys):
     """The markdown table and the chart are rewritten with the JSON after every configuration: an interrupted
     --overwrite run left its new JSON beside the earlier run's table and chart."""
     import eightbit.eval.configs as configs
@@ -124,9 +124,10 @@ def test_an_interrupted_run_leaves_its_json_table_and_chart_agreeing(tmp_path, m
 
     (tmp_path / "ppl.md").write_text("| bf16 | engine | 15.1374 | an earlier run |")
     monkeypatch.setattr(configs, "build_scorer", build)
-    with pytest.raises(KeyboardInterrupt):
-        main(["ppl", "--configs", "fp32,bf16", "--windows", "1", "--window-size", "48", "--device", "cpu",
-              "--kv-cache-memory-gb", "0.25", "--out", str(tmp_path), "--no-progress", "--overwrite"])
+    rc = main(["ppl", "--configs", "fp32,bf16", "--windows", "1", "--window-size", "48", "--device", "cpu",
+               "--kv-cache-memory-gb", "0.25", "--out", str(tmp_path), "--no-progress", "--overwrite"])
+    assert rc == 130 and f"interrupted; the configurations finished before it are in {tmp_path}" in \
+        capsys.readouterr().err
     rows = json.loads((tmp_path / "ppl.json").read_text())["rows"]
     table = (tmp_path / "ppl.md").read_text()
     assert [r["config"] for r in rows] == ["fp32"] and "| fp32 | engine |" in table and "15.1374" not in table
