@@ -80,7 +80,6 @@ def test_hf_latency_record(hf_tiny):
 
 @pytest.mark.parametrize("name", ["hf-bnb-int8", "hf-torchao-int8"])
 def test_quantized_peers_build_and_generate(name, hf_tiny):
-    pytest.importorskip("bitsandbytes" if "bnb" in name else "torchao")
     system = HFSystem(name, "llama-tiny", "cpu", seed=0)
     assert system.weights["linear"] < 0.6 * hf_tiny.weights["linear"]  # int8 (+ scales) vs bf16
     assert system.weights["lm_head"] == hf_tiny.weights["lm_head"]  # left in bf16, like HF's default

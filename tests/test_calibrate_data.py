@@ -22,8 +22,7 @@ def tokenizer():
 
 @pytest.fixture
 def wikitext_valid():
-    if not SHARED_VALID.parent.parent.is_dir():  # skip only when the shared folder is absent
-        pytest.skip("../shared/data is not beside this checkout")
+    assert SHARED_VALID.is_file(), f"{SHARED_VALID} is missing: the tests need ../shared/data beside the checkout"
     return SHARED_VALID
 
 

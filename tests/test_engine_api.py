@@ -141,9 +141,21 @@ def test_bad_priorities_raise_before_running(llm, bad, error, message):
     _assert_idle(llm.engine)
 
 
-def test_one_priority_applies_to_every_prompt(llm):
+def test_one_priority_applies_to_every_prompt(llm, monkeypatch):
+    """The priority each request reaches the engine with: one for all, or one per prompt."""
+    engine, seen = llm.engine, []
+    real = engine.add_request
+
+    def add_request(request_id, *args):
+        real(request_id, *args)
+        seen.append(engine.requests[request_id].priority)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
     outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, priority=3)
-    assert len(outs) == 3 and all(len(o.outputs[0].token_ids) == 2 for o in outs)
+    assert seen == [3, 3, 3] and all(len(o.outputs[0].token_ids) == 2 for o in outs)
+    seen.clear()
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, priority=[-1, 2])
+    assert seen == [-1, 2]
 
 
 def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
@@ -261,6 +273,8 @@ def test_chat_applies_the_template(llm):
     out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=5),
                    use_tqdm=False)[0]
     assert out.prompt.startswith("<|im_start|>") and out.prompt.rstrip().endswith("assistant")
+    assert "<|im_start|>user\nSay hi.<|im_end|>" in out.prompt  # the message itself, in the template's frame
+    assert out.prompt_token_ids == llm.get_tokenizer()(out.prompt, add_special_tokens=False).input_ids
 
 
 def test_cli_generate_streams_text(capsys):

@@ -26,4 +26,5 @@ def test_quantized_checkpoint_loads_and_stays_close_to_float(tmp_path):
     ids = [1] + [(13 * i + 7) % 300 + 3 for i in range(120)]
     a, b = prompt_logprobs(ref, ids), prompt_logprobs(int8, ids)
     assert not torch.equal(a, b)
-    assert (a - b).abs().mean() < 0.05 * a.abs().mean()
+    # mean |difference| 0.085 nats (W8A8 + int8 KV); per-tensor activation scales instead of per-token give 0.145
+    assert (a - b).abs().mean() < 0.12

@@ -76,7 +76,20 @@ def test_greedy_matches_hf_in_one_batch(llm, references):
 
 def test_chunked_prefill_matches_hf(make_llm, references):
     llm = make_llm(max_num_batched_tokens=24)  # the longest prompt takes ~10 steps to prefill
+    chunks, real_run = {}, llm.engine.runner.run  # prompt length -> [tokens cached, then each prefill chunk]
+
+    def run(scheduled, *args, **kwargs):
+        assert sum(n for _, n in scheduled) <= 24
+        for seq, n in scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                chunks.setdefault(seq.num_prompt_tokens, [seq.num_computed_tokens]).append(n)
+        return real_run(scheduled, *args, **kwargs)
+
+    llm.engine.runner.run = run
     run_and_compare(llm, references)
+    longest = max(len(ids) for ids, *_ in references)  # (its first paragraph may come from the prefix cache)
+    cached, *steps = chunks[longest]
+    assert cached + sum(steps) == longest and len(steps) >= -(-(longest - cached) // 24) >= 5
 
 
 def test_preemption_recompute_matches_hf(make_llm, references):

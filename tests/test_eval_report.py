@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from eightbit.eval import report
 from eightbit.eval.configs import CONFIGS, ENV_DATA, parse_configs, resolve_data_dir
@@ -75,15 +76,20 @@ def test_resolve_data_dir_order(tmp_path, monkeypatch):
         resolve_data_dir(tmp_path / "nope")
 
 
-def test_eval_cli_ppl_end_to_end(tmp_path, capsys):
+def test_eval_cli_ppl_end_to_end(tmp_path, capsys, hf_model, tokenizer):
     from eightbit.eval.cli import main
+    from eightbit.eval.perplexity import wikitext_text
 
     rc = main(["ppl", "--configs", "fp32", "--windows", "1", "--window-size", "48", "--device", "cpu",
                "--kv-cache-memory-gb", "0.25", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     payload = json.loads((tmp_path / "ppl.json").read_text())
     rows = {r["config"]: r for r in payload["rows"]}
-    assert 1.0 < rows["fp32"]["ppl"] < 1000 and rows["fp32"]["scored_tokens"] == 47
+    # the reference: HF transformers' float32 loss on the test text's first 48 tokens
+    window = tokenizer(wikitext_text(resolve_data_dir()), add_special_tokens=False).input_ids[:48]
+    with torch.no_grad():
+        loss = hf_model(torch.tensor([window]), labels=torch.tensor([window])).loss.item()
+    assert rows["fp32"]["ppl"] == pytest.approx(math.exp(loss), rel=1e-4) and rows["fp32"]["scored_tokens"] == 47
     assert payload["meta"]["windows"] == 1 and payload["meta"]["window"] == 48
     assert (tmp_path / "ppl.png").is_file() and "| fp32 | engine |" in (tmp_path / "ppl.md").read_text()
     assert "WikiText-2 raw test, 1/" in capsys.readouterr().out

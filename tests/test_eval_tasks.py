@@ -19,9 +19,9 @@ def test_loaders_read_the_shared_files():
     assert arc[0].context.endswith("\nAnswer:") and all(c.startswith(" ") for c in arc[0].continuations)
     full = load_task("arc_easy", data)
     assert len(full) == 2376
-    numeric = next(i for i in full if i.continuations and i.id and i.gold is not None and len(i.continuations) and
-                   i.context and i.lengths and i.task == "arc_easy" and i.id.startswith("NYSEDREGENTS"))
-    assert 0 <= numeric.gold < len(numeric.continuations)
+    numeric = next(i for i in full if i.id == "NYSEDREGENTS_2015_8_28")  # labels "1".."4", answer key "2"
+    assert numeric.gold == 1 and numeric.continuations == [" air", " elements", " water", " soil"]
+    assert all(0 <= i.gold < len(i.continuations) == len(i.lengths) for i in full)
     hs = load_task("hellaswag", data, limit=2)
     assert hs[0].context == "Roof shingle removal: A man is sitting on a roof. He"  # lm-eval's ctx_b.capitalize()
     assert hs[0].gold == 3 and hs[0].continuations[3] == " starts pulling up roofing on a roof."

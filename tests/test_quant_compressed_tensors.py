@@ -2,6 +2,7 @@
 
 import json
 
+import compressed_tensors as ct  # the [test] extra installs it: missing is an error, not a skip
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -9,8 +10,6 @@ from safetensors.torch import load_file
 from eightbit.quant.cli import quantize
 from eightbit.quant.int8 import dequantize
 from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer, tiny_text
-
-ct = pytest.importorskip("compressed_tensors")
 
 
 @pytest.fixture(scope="module")

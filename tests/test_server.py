@@ -12,15 +12,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx  # the [test] extra installs both clients: a missing one is an error here, not a skip
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-from eightbit import LLM, SamplingParams  # noqa: E402
-from eightbit.engine.server.cli import EMBEDDED_MODEL_NAME, BackgroundServer  # noqa: E402
+from eightbit import LLM, SamplingParams
+from eightbit.engine.server.cli import EMBEDDED_MODEL_NAME, BackgroundServer
 
 ENGINE_OPTIONS = dict(dtype="float32", device="cpu", max_model_len=2048, kv_cache_memory_gb=0.25)
 MODEL = EMBEDDED_MODEL_NAME
