@@ -1,6 +1,7 @@
 """`LLM`: the offline Python API (vLLM's names), a thin driver of `LLMEngine`."""
 
 import itertools
+from collections import deque
 from contextlib import closing
 
 from tqdm.auto import tqdm
@@ -22,6 +23,7 @@ class LLM:
     def __init__(self, model=None, **engine_options):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
+        self._inboxes = {}  # request id -> the output queue of the call (generate / stream) that owns it
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -35,9 +37,9 @@ class LLM:
         """
         prompts = self._as_list(prompts)
         params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
-                                  "sampling params")
-        priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities")
-        ids = self._add(prompts, params, priorities)
+                                  "sampling params", SamplingParams)
+        priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities", int)
+        ids = self._add(prompts, params, priorities, final_only=True)
         finished = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar, \
                 closing(self._run(ids)) as outputs:
@@ -54,27 +56,39 @@ class LLM:
         """
         prompts = self._as_list(prompts)
         params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
-                                  "sampling params")
-        ids = self._add(prompts, params, [0] * len(prompts))
+                                  "sampling params", SamplingParams)
+        ids = self._add(prompts, params, [0] * len(prompts), final_only=False)
         index = {request_id: i for i, request_id in enumerate(ids)}
         with closing(self._run(ids)) as outputs:  # closed, and so aborted, when the consumer stops early
             for out in outputs:
                 yield index[out.request_id], out
 
     def _run(self, ids):
-        """Step the engine until the requests `ids` finish, yielding their outputs. However this ends (an error,
-        Ctrl-C, a consumer that stops early), requests of `ids` still running are aborted, so that none keeps KV
-        blocks or runs on in a later call. Requests added straight to the engine share the batch and advance
-        too, but what `step()` returns for them is dropped here: drive those with `engine.step()` alone."""
-        unfinished = set(ids)
+        """Step the engine until the requests `ids` finish, yielding their outputs in the order the engine made
+        them. Calls may overlap (two streams consumed in turn, a generate inside a stream's loop): whichever call
+        steps the engine puts each output in the queue of the call that owns its request, so no call loses
+        another's outputs. However this ends (an error, Ctrl-C, a consumer that stops early), requests of `ids`
+        still running are aborted, so that none keeps KV blocks or runs on in a later call. Requests added
+        straight to the engine share the batch and advance too, but what `step()` returns for them is dropped
+        here: drive those with `engine.step()` alone."""
+        unfinished, inbox = set(ids), deque()
+        self._inboxes.update((request_id, inbox) for request_id in ids)
         try:
             while unfinished:
-                for out in self.engine.step():
-                    if out.request_id in unfinished:
-                        if out.finished:
-                            unfinished.discard(out.request_id)
-                        yield out
+                if not inbox:
+                    if not any(request_id in self.engine.requests for request_id in unfinished):
+                        raise RuntimeError(f"requests {sorted(unfinished)} were aborted outside this call")
+                    for out in self.engine.step():
+                        if out.request_id in self._inboxes:
+                            self._inboxes[out.request_id].append(out)
+                    continue
+                out = inbox.popleft()
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield out
         finally:
+            for request_id in ids:
+                self._inboxes.pop(request_id, None)
             for request_id in unfinished:
                 self.engine.abort(request_id)
 
@@ -95,12 +109,12 @@ class LLM:
             out.prompt = text
         return outputs
 
-    def _add(self, prompts, params, priorities):
+    def _add(self, prompts, params, priorities, final_only):
         ids = []
         try:
             for prompt, p, prio in zip(prompts, params, priorities):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p, prio)
+                self.engine.add_request(request_id, prompt, p, prio, final_only=final_only)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # all or nothing: a bad prompt cancels the whole call
@@ -110,9 +124,12 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts):
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and as_token_id(prompts[0]) is not None):
-            return [prompts]  # one prompt of token ids (Python, numpy or torch integers)
+        """One prompt (a str, a {"prompt" | "prompt_token_ids": ...} dict or a list of token ids) or a list of
+        them -> the list. A list is one prompt of ids only if every element is an integer scalar (Python, numpy or
+        torch); otherwise each element is a prompt, and the engine says which one is malformed."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and all(as_token_id(t) is not None for t in prompts)):
+            return [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
                             f"got {type(prompts).__name__}")
@@ -121,14 +138,17 @@ class LLM:
         return list(prompts)
 
     @staticmethod
-    def _per_prompt(value, n, what):
-        """One value per prompt: a single value is shared by all; a list must have one for each."""
-        if isinstance(value, (SamplingParams, int)):
+    def _per_prompt(value, n, what, kind):
+        """One value per prompt: a single `kind` is shared by all; a list must have one `kind` for each."""
+        if isinstance(value, kind):
             return [value] * n
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"{what}: expected one value or a list of one per prompt, got {type(value).__name__}")
         if len(value) != n:
             raise ValueError(f"got {len(value)} {what} for {n} prompts")
+        for i, v in enumerate(value):
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise TypeError(f"{what}[{i}] must be {kind.__name__}, got {type(v).__name__}")
         return list(value)
 
 

@@ -135,13 +135,15 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt, sampling_params=None, priority=0):
-        """Queue a prompt (text or token ids). Invalid input raises ValueError and changes nothing."""
+    def add_request(self, request_id, prompt, sampling_params=None, priority=0, final_only=False):
+        """Queue a prompt (text, token ids, or vLLM's {"prompt"} / {"prompt_token_ids"} dict). Invalid input raises
+        and changes nothing. final_only: `step()` reports the request only when it finishes (all `generate`
+        needs), instead of copying every sample's tokens and log-probs so far into an output at every step."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         text, token_ids = self.check_request(prompt, params, priority)
-        request = Request(request_id, text, token_ids, params, priority, time.monotonic())
+        request = Request(request_id, text, token_ids, params, priority, time.monotonic(), final_only)
         self._init_sequence(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -171,6 +173,12 @@ class LLMEngine:
         return text, token_ids
 
     def _tokenize(self, prompt):
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            prompt = _prompt_from_dict(prompt)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, list, tuple)) and \
+                getattr(prompt, "ndim", None) != 1:
+            raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
+                            f"'prompt_token_ids', got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token-id lists")
@@ -300,7 +308,8 @@ class LLMEngine:
                 seq.logprobs.append(logprob_dicts[i])
                 seq.cumulative_logprob += logprob_dicts[i][token]
             deltas[seq] = self._postprocess(seq, token)
-        return [self._output(r, deltas) for r in {s.request.request_id: s.request for s in deltas}.values()]
+        advanced = {s.request.request_id: s.request for s in deltas}.values()
+        return [self._output(r, deltas) for r in advanced if r.is_finished or not r.final_only]
 
     def _tokens_to_host(self, launched: LaunchedStep) -> list[int]:
         """The step's sampled tokens as ints: where the host waits for the GPU to finish the step."""
@@ -371,9 +380,24 @@ class LLMEngine:
                              request.prompt_logprobs, outputs, finished)
 
 
+def _prompt_from_dict(prompt: dict):
+    """{"prompt": str} or {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt) -> the str or the ids."""
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, (str, bytes, bytearray, dict)):
+            raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+        return ids
+    raise ValueError(f"a dict prompt must have exactly one key, 'prompt' (a str) or 'prompt_token_ids' (a list of "
+                     f"token ids), got keys {sorted(keys)}")
+
+
 def as_token_id(t):
-    """t as a Python int if it is an integer of any kind (not a bool or float), else None."""
-    if isinstance(t, bool):
+    """t as a Python int if it is an integer of any kind (not a bool or float, not a one-element array), else
+    None."""
+    if isinstance(t, bool) or getattr(t, "ndim", 0) != 0:  # a tensor([5]) would pass operator.index
         return None
     try:
         return operator.index(t)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer of any kind (Python, numpy), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+    """A finite real number of any kind (Python, numpy), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_" \
+        and math.isfinite(x)
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM
@@ -50,7 +54,7 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             bad("n", self.n, "an int >= 1")
         if not _is_number(self.temperature) or self.temperature < 0:
-            bad("temperature", self.temperature, ">= 0")
+            bad("temperature", self.temperature, "a finite number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", self.top_p, "in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -93,6 +97,17 @@ class SamplingParams:
         for field in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, getattr(self, field), "a bool")
+        self._as_python_numbers()
+
+    def _as_python_numbers(self) -> None:
+        """numpy scalars (checked above) become Python ints and floats, which is what the engine computes with."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if _is_int(v):
+                setattr(self, f.name, int(v))
+            elif _is_number(v):
+                setattr(self, f.name, float(v))
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property
     def greedy(self) -> bool:

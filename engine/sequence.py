@@ -83,8 +83,9 @@ class Request:
     sequences that share the prompt's KV blocks (copy-on-write).
     """
 
-    def __init__(self, request_id, prompt, prompt_token_ids, params, priority=0, arrival_time=0.0):
+    def __init__(self, request_id, prompt, prompt_token_ids, params, priority=0, arrival_time=0.0, final_only=False):
         self.request_id = request_id
+        self.final_only = final_only  # reported by step() only when finished (LLMEngine.add_request)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -1,5 +1,7 @@
 """The engine's API on the embedded SmolLM2 (float32, CPU): seeds, n > 1, streaming, stops, errors, aborts."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -49,6 +51,51 @@ def test_stream_deltas_join_to_the_final_text_and_stop_strings_are_cut(llm):
                            use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == final.text[: final.text.index(stop)]
+
+
+def test_overlapping_calls_each_get_all_their_outputs(llm):
+    """Two streams consumed in turn, and a generate inside a stream's loop: each call steps the engine for all,
+    and each gets every output of its own requests (deltas were lost, and a stream whose request finished during
+    the other call's steps waited forever)."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs[0].text for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    joined = ["", ""]
+    for pair in itertools.zip_longest(llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)):
+        for i, item in enumerate(pair):
+            if item is not None:
+                joined[i] += item[1].outputs[0].delta
+    assert joined == want[:2]
+    joined, inner = "", None
+    for _, out in llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30)):
+        joined += out.outputs[0].delta
+        if inner is None:  # the whole generate runs (and ends) inside the stream's first output
+            inner = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].text
+    assert inner == want[2]
+    assert joined == llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30),
+                                  use_tqdm=False)[0].outputs[0].text
+    _assert_idle(llm.engine)
+
+
+def test_a_request_aborted_outside_its_call_ends_the_call(llm):
+    stream = llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))
+    next(stream)
+    llm.engine.abort(next(iter(llm.engine.requests)))
+    with pytest.raises(RuntimeError, match="were aborted outside this call"):
+        next(stream)
+    _assert_idle(llm.engine)
+
+
+def test_generate_builds_only_final_outputs(llm):
+    """generate() needs each request's last output only: the engine reports its requests when they finish, rather
+    than copying every sample's tokens and log-probs into an output at every step."""
+    engine = llm.engine
+    engine.add_request("final", PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, n=2), final_only=True)
+    engine.add_request("every", PROMPTS[1], SamplingParams(temperature=0, max_tokens=5))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [(o.request_id, o.finished) for o in engine.step()]
+    assert seen.count(("final", True)) == 1 and ("final", False) not in seen
+    assert seen.count(("every", False)) == 4 and seen.count(("every", True)) == 1  # one output a token
 
 
 def test_stop_token_ids_and_length(llm):
@@ -133,7 +180,7 @@ def test_limits_past_the_model_raise_before_running_and_the_llm_stays_usable(llm
 @pytest.mark.parametrize("bad, error, message", [
     ([0], ValueError, "got 1 priorities for 3 prompts"),
     ("high", TypeError, "priorities: expected one value"),
-    ([0, 1.5, 0], TypeError, "priority must be an int"),
+    ([0, 1.5, 0], TypeError, r"priorities\[1\] must be int, got float"),
 ])
 def test_bad_priorities_raise_before_running(llm, bad, error, message):
     with pytest.raises(error, match=message):
@@ -146,8 +193,8 @@ def test_one_priority_applies_to_every_prompt(llm, monkeypatch):
     engine, seen = llm.engine, []
     real = engine.add_request
 
-    def add_request(request_id, *args):
-        real(request_id, *args)
+    def add_request(request_id, *args, **kwargs):
+        real(request_id, *args, **kwargs)
         seen.append(engine.requests[request_id].priority)
 
     monkeypatch.setattr(engine, "add_request", add_request)
@@ -191,12 +238,40 @@ def test_numpy_and_torch_token_ids_are_prompts_like_ints(llm):
         llm.generate([[1, 1.5]], use_tqdm=False)
 
 
+def test_vllm_dict_prompts_and_one_element_tensors(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts are prompts; a list whose elements are one-element tensors is a list
+    of prompts (a batch of one-token prompts), not one prompt made of their values."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    ids = llm.get_tokenizer()(PROMPTS[1]).input_ids
+    want = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompts in ({"prompt": PROMPTS[1]}, [{"prompt": PROMPTS[1]}], [{"prompt_token_ids": ids}],
+                    {"prompt_token_ids": torch.tensor(ids)}):
+        [out] = llm.generate(prompts, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == want and out.prompt_token_ids == ids
+    outs = llm.generate([torch.tensor([ids[0]]), torch.tensor([ids[1]])], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[ids[0]], [ids[1]]]
+
+
+@pytest.mark.parametrize("prompts, error, message", [
+    ([b"hello"], TypeError, "a prompt must be a str, a list of token ids or a dict .* got bytes"),
+    ([{"text": "Hi"}], ValueError, r"exactly one key, 'prompt' .* got keys \['text'\]"),
+    ([{"prompt": "Hi", "multi_modal_data": {}}], ValueError, "exactly one key"),
+    ([{"prompt_token_ids": "Hi"}], TypeError, "prompt_token_ids must be a list of token ids, got str"),
+    ([{"prompt": 5}], TypeError, "a prompt must be a str.* got int"),
+])
+def test_malformed_prompts_are_refused_not_misread(llm, prompts, error, message):
+    with pytest.raises(error, match=message):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
 @pytest.mark.parametrize("bad, error, message", [
     ({"prompt": "Hi"}, TypeError, "expected one value or a list"),  # sampling params as a dict
+    ([SamplingParams(), None], TypeError, r"sampling params\[1\] must be SamplingParams, got NoneType"),
 ])
 def test_sampling_params_of_the_wrong_type_are_named(llm, bad, error, message):
     with pytest.raises(error, match=message):
-        llm.generate(["Hi"], bad, use_tqdm=False)
+        llm.generate(["Hi", "Ho"] if isinstance(bad, list) else ["Hi"], bad, use_tqdm=False)
     _assert_idle(llm.engine)
 
 

@@ -1,5 +1,6 @@
 import dataclasses
 
+import numpy as np
 import pytest
 
 from eightbit.engine.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ def test_greedy_and_normalization():
 
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("n", 1.5), ("n", True),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "1"),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "1"), ("temperature", float("inf")),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1),
     ("top_k", -2), ("top_k", 2.0),
     ("min_p", -0.01), ("min_p", 1.5),
@@ -44,3 +45,18 @@ def test_invalid_values_raise_naming_field_and_value(field, value):
         SamplingParams(**{field: value})
     assert field in str(err.value)
     assert repr(value) in str(err.value)
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers():
+    """Values computed with numpy (a swept top_p, an np.int64 seed) pass the same checks as Python's and reach the
+    engine as Python ints and floats; numpy bools are refused like Python's."""
+    p = SamplingParams(temperature=np.float64(0.5), top_p=np.float32(0.5), top_k=np.int32(3), seed=np.int64(7),
+                       max_tokens=np.int64(4), stop_token_ids=[np.int64(2)], logprobs=np.int16(1), n=np.int8(2))
+    assert p == SamplingParams(temperature=0.5, top_p=0.5, top_k=3, seed=7, max_tokens=4, stop_token_ids=[2],
+                               logprobs=1, n=2)
+    assert all(type(getattr(p, f)) is int for f in ("top_k", "seed", "max_tokens", "logprobs", "n"))
+    assert type(p.top_p) is float and type(p.stop_token_ids[0]) is int
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        SamplingParams(n=np.bool_(True))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=np.float32("nan"))
