@@ -17,7 +17,14 @@ from eightbit.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenize
 from eightbit.engine.loader import load_model
 from eightbit.engine.model_runner import ModelRunner, kv_bytes_per_token
 from eightbit.engine.outputs import CompletionOutput, RequestOutput
-from eightbit.engine.sampler import SamplingTensors, gather_logprobs, logprobs_to_dicts, make_generator, sample
+from eightbit.engine.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    gather_logprobs,
+    logprobs_to_dicts,
+    make_generator,
+    sample,
+)
 from eightbit.engine.sampling_params import SamplingParams
 from eightbit.engine.scheduler import Scheduler
 from eightbit.engine.sequence import Request, Sequence
@@ -258,7 +265,11 @@ class LLMEngine:
         if rows != list(range(len(logits))):  # n > 1 forks repeat rows
             logits = logits[to_device(rows, torch.int64, logits.device)]
         params = [s.params for s in seqs]
-        tokens = sample(logits, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs],
+        penalized = logits
+        if any(p.penalized for p in params):
+            penalized = apply_penalties(logits, params, [s.token_ids for s in seqs],
+                                        [s.num_prompt_tokens for s in seqs])
+        tokens = sample(penalized, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs],
                         self.generator)
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = gather_logprobs(logits, tokens, k) if k is not None else ()
@@ -271,6 +282,8 @@ class LLMEngine:
         if not keep:
             return None
         seqs = [launched.seqs[i] for i in keep]
+        if any(s.params.penalized for s in seqs):  # the penalties count every token: wait for this one on the host
+            return None
         sched = self.scheduler.schedule_continuation(seqs, launched.seqs)
         if sched is None:
             return None

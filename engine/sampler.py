@@ -66,6 +66,43 @@ class SamplingTensors:
         )
 
 
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
+                    num_prompt_tokens: Sequence[int]) -> torch.Tensor:
+    """The logits [B, V] with each row's presence, frequency and repetition penalties applied (SamplingParams
+    says how), as a new float32 tensor; ``logits`` is left untouched (the log-probs report the raw values).
+    token_ids[i] is row i's prompt followed by its output so far, of which the first num_prompt_tokens[i] are the
+    prompt. Only the rows that ask for a penalty are touched; their token counts are built from the host's ids
+    each step (O(tokens) on the host, a [rows, V] tensor on the device)."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    out = logits.float().clone()
+    if not rows:
+        return out
+    device, vocab = logits.device, logits.shape[1]
+    seen_row, seen_id, out_row, out_id = [], [], [], []
+    for j, i in enumerate(rows):
+        ids, n = token_ids[i], num_prompt_tokens[i]
+        seen_row += [j] * len(ids)
+        seen_id += ids
+        out_row += [j] * (len(ids) - n)
+        out_id += ids[n:]
+    counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
+    if out_id:
+        counts.index_put_((to_device(out_row, torch.int64, device), to_device(out_id, torch.int64, device)),
+                          torch.ones(len(out_id), device=device), accumulate=True)
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    seen[to_device(seen_row, torch.int64, device), to_device(seen_id, torch.int64, device)] = True
+
+    def column(name):
+        return to_device([float(getattr(params[i], name)) for i in rows], torch.float32, device).unsqueeze(1)
+
+    index = to_device(rows, torch.int64, device)
+    x, rep = out[index], column("repetition_penalty")
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+    out[index] = x
+    return out
+
+
 def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Temperature-scaled logits with top-k, top-p and min-p applied (dropped tokens = -inf).
     Returns a new tensor; ``logits`` is left untouched (the log-probs need the raw values)."""

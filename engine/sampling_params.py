@@ -30,7 +30,11 @@ class SamplingParams:
     likely one, as vLLM and HF transformers do. ``max_tokens=None`` means up to the context limit.
     ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None).
     ``logprobs``/``prompt_logprobs`` ask for that many most-likely tokens besides the chosen one;
-    their values are the model's raw log-softmax, before temperature and top-k/top-p/min-p.
+    their values are the model's raw log-softmax, before penalties, temperature and top-k/top-p/min-p.
+    The penalties are vLLM's (and OpenAI's), applied to the logits before everything else, greedy rows
+    included: ``presence_penalty`` is subtracted from every token the output holds, ``frequency_penalty``
+    once per occurrence there, and a token in the prompt or the output has a positive logit divided by
+    ``repetition_penalty`` and a negative one multiplied by it (HF transformers' rule).
     """
 
     n: int = 1
@@ -46,6 +50,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         def bad(field: str, value, need: str):
@@ -94,6 +101,11 @@ class SamplingParams:
             v = getattr(self, field)
             if v is not None and (not _is_int(v) or v < 0):
                 bad(field, v, "None or an int >= 0")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, field)) or not -2 <= getattr(self, field) <= 2:
+                bad(field, getattr(self, field), "in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
         for field in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, getattr(self, field), "a bool")
@@ -108,6 +120,10 @@ class SamplingParams:
             elif _is_number(v):
                 setattr(self, f.name, float(v))
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -140,3 +140,42 @@ def test_prompt_and_sample_logprobs_match_hf(llm, hf_model, tokenizer):
         assert set(row.topk(3).indices.tolist()) <= set(entry)
     expected_cumulative = sum(out.outputs[0].logprobs[j][t] for j, t in enumerate(generated))
     assert out.outputs[0].cumulative_logprob == pytest.approx(expected_cumulative)
+
+
+def test_repetition_penalty_matches_hf(make_llm, hf_model, tokenizer):
+    """HF transformers' RepetitionPenaltyLogitsProcessor (the same rule, over prompt and output) in greedy generate;
+    a request without penalties in the same batch is left as it was."""
+    prompts = ["1, 2, 3, 4,", PROMPTS[1]]
+    params = [SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=16)]
+    ours = [o.outputs[0].token_ids for o in make_llm().generate(prompts, params, use_tqdm=False)]
+    ids = tokenizer(prompts[0]).input_ids
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, repetition_penalty=1.3,
+                                output_scores=True, return_dict_in_generate=True, pad_token_id=2)
+    theirs = out.sequences[0, len(ids):].tolist()
+    assert theirs != hf_greedy(hf_model, ids, 24)[0]  # the penalty changes this continuation
+    assert_parity(ours[0], theirs, torch.stack(out.scores)[:, 0])  # scores: the logits after the penalty
+    assert_parity(ours[1], *hf_greedy(hf_model, tokenizer(prompts[1]).input_ids, 16))
+
+
+def test_frequency_and_presence_penalties_match_a_greedy_loop_over_hf_logits(make_llm, hf_model, tokenizer):
+    """OpenAI's rule by hand on HF's float64 logits: each output token's logit less frequency x its count and
+    presence once; greedy, with async scheduling on (a penalized step waits for its last token)."""
+    ids = tokenizer("The quick brown fox").input_ids
+    params = SamplingParams(temperature=0, max_tokens=16, frequency_penalty=0.8, presence_penalty=0.4, ignore_eos=True)
+    llm = make_llm()
+    assert llm.engine.config.async_scheduling
+    ours = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    seq, theirs, scores = list(ids), [], []
+    for _ in range(16):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([seq])).logits[0, -1].double()
+        output = seq[len(ids):]
+        for t in set(output):
+            logits[t] -= 0.8 * output.count(t) + 0.4
+        theirs.append(int(logits.argmax()))
+        scores.append(logits)
+        seq.append(theirs[-1])
+    assert len(set(theirs)) > 8  # the penalties at work: no short loop
+    assert_parity(ours, theirs, torch.stack(scores))

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from eightbit.engine.sampler import (SamplingTensors, filtered_logits, gather_logprobs,
+from eightbit.engine.sampler import (SamplingTensors, apply_penalties, filtered_logits, gather_logprobs,
                                      logprobs_to_dicts, make_generator, sample)
 from eightbit.engine.sampling_params import SamplingParams
 
@@ -219,3 +219,45 @@ def test_cuda_matches_contract():
     ref = torch.log_softmax(big[0].double(), -1)
     torch.testing.assert_close(chosen.double(), ref.gather(1, out[:, None])[:, 0], atol=1e-5,
                                rtol=0)
+    penalized = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), SamplingParams(),
+                 SamplingParams(presence_penalty=-1.0)]
+    history = [[1, 7, 7, 4999], [3], [0, 0, 12]]
+    on_gpu = apply_penalties(big[0], penalized, history, [1, 1, 2])
+    assert on_gpu.device.type == "cuda"
+    assert torch.equal(on_gpu.cpu(), apply_penalties(big[0].cpu(), penalized, history, [1, 1, 2]))
+
+
+def test_penalties_hand_computed():
+    """Row 0: prompt [1, 2], output [2, 3, 3]; repetition 2 divides the positive logits of 1, 2, 3 and multiplies
+    the negative ones; frequency 0.5 takes 0.5 per output occurrence (2 once, 3 twice), presence 1 takes 1 from
+    each of them. Row 1 asks for nothing and is left as it was; the input logits are not touched."""
+    logits = torch.tensor([[1.0, 4.0, -2.0, 3.0, -1.0], [1.0, 4.0, -2.0, 3.0, -1.0]])
+    before = logits.clone()
+    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=1.0), SamplingParams()]
+    got = apply_penalties(logits, params, [[1, 2, 2, 3, 3], [1, 2, 2, 3, 3]], [2, 2])
+    want_row0 = [1.0, 4.0 / 2, -2.0 * 2 - 0.5 - 1, 3.0 / 2 - 0.5 * 2 - 1, -1.0]
+    assert got.tolist() == [want_row0, before[1].tolist()]
+    assert torch.equal(logits, before) and got.dtype == torch.float32
+
+
+def test_penalties_match_a_float64_loop_on_random_rows():
+    torch.manual_seed(0)
+    vocab, rows = 50, 6
+    logits = torch.randn(rows, vocab)
+    params, histories, prompts = [], [], []
+    for r in range(rows):
+        n = int(torch.randint(1, 10, ()))
+        ids = torch.randint(0, vocab, (n + int(torch.randint(0, 12, ())),)).tolist()
+        params.append(SamplingParams(repetition_penalty=[1.0, 1.3, 0.8][r % 3], frequency_penalty=[0, 0.7, -0.4][r % 3],
+                                     presence_penalty=[0.3, 0, -1.1][(r + 1) % 3]))
+        histories.append(ids)
+        prompts.append(n)
+    got = apply_penalties(logits, params, histories, prompts)
+    for r, (p, ids, n) in enumerate(zip(params, histories, prompts)):
+        for t in range(vocab):
+            x = logits[r, t].double().item()
+            if t in ids:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            count = ids[n:].count(t)
+            x -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            assert got[r, t].item() == pytest.approx(x, abs=1e-5), (r, t)

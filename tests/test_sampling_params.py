@@ -10,10 +10,13 @@ def test_defaults_match_vllm():
     p = SamplingParams()
     expected = dict(n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None,
                     max_tokens=16, stop=[], stop_token_ids=[], ignore_eos=False, logprobs=None,
-                    prompt_logprobs=None, skip_special_tokens=True)
+                    prompt_logprobs=None, skip_special_tokens=True, presence_penalty=0.0, frequency_penalty=0.0,
+                    repetition_penalty=1.0)
     assert [f.name for f in dataclasses.fields(p)] == list(expected)
     assert dataclasses.asdict(p) == expected
-    assert not p.greedy
+    assert not p.greedy and not p.penalized
+    assert all(SamplingParams(**{name: value}).penalized
+               for name, value in (("presence_penalty", 0.1), ("frequency_penalty", -1), ("repetition_penalty", 1.1)))
 
 
 def test_greedy_and_normalization():
@@ -39,6 +42,8 @@ def test_greedy_and_normalization():
     ("stop_token_ids", [1, "2"]), ("stop_token_ids", 5), ("stop_token_ids", [-1]),
     ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", -2),
     ("ignore_eos", 1), ("skip_special_tokens", None),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
 ])
 def test_invalid_values_raise_naming_field_and_value(field, value):
     with pytest.raises(ValueError) as err:

@@ -123,6 +123,18 @@ def test_completions_greedy_equal_offline(server, client, offline):
         assert out.object == "text_completion" and out.model == MODEL
 
 
+def test_penalties_reach_the_engine(client, offline):
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty: the same text as the offline LLM
+    with the same SamplingParams, and not the text without them."""
+    extra = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.2)
+    ref = offline.generate(["1, 2, 3, 4,"], greedy(24, **extra), use_tqdm=False)[0].outputs[0].text
+    plain = offline.generate(["1, 2, 3, 4,"], greedy(24), use_tqdm=False)[0].outputs[0].text
+    out = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=24, temperature=0,
+                                    presence_penalty=0.5, frequency_penalty=1.0,
+                                    extra_body={"repetition_penalty": 1.2})
+    assert out.choices[0].text == ref != plain
+
+
 def test_completions_batch_prompt_and_token_ids(client, offline):
     ref = offline.generate(PROMPTS[:3], greedy(8), use_tqdm=False)
     out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
@@ -280,8 +292,9 @@ def test_logprobs(client, offline):
     ("/v1/completions", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),  # as OpenAI: only with stream
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt"),

@@ -269,11 +269,6 @@ def _reject_unless(condition: bool, param: str, message: str):
 def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
     _reject_unless(req.stream or req.stream_options is None, "stream_options",
                    "stream_options is only allowed when stream is true")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        _reject_unless(value in (None, 0), name, f"{name} is not implemented: only 0 is accepted, got {value}")
-    _reject_unless(req.repetition_penalty in (None, 1), "repetition_penalty",
-                   f"repetition_penalty is not implemented: only 1 is accepted, got {req.repetition_penalty}")
     _reject_unless(not req.logit_bias, "logit_bias", "logit_bias is not implemented")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
@@ -293,6 +288,9 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
     except ValueError as e:  # SamplingParams' messages start with the field name
         raise APIError(str(e), param=str(e).split()[0]) from None
