@@ -58,10 +58,11 @@ class IncrementalDetokenizer:
         self._context_text = self._decode(self._ids)
         return delta
 
-    def _release(self, delta: str, final: bool) -> str:
+    def _release(self, delta: str, final: bool, check_stop: bool) -> str:
         buf = self._pending + delta
-        if not self.stop:
+        if not self.stop or not check_stop:
             self.text += buf
+            self._pending = ""
             return buf
         found = [(i, s) for i, s in ((buf.find(s), s) for s in self.stop) if i >= 0]
         cut, stop_string = min(found, key=lambda f: f[0], default=(None, None))
@@ -83,14 +84,16 @@ class IncrementalDetokenizer:
         self.text += out
         return out
 
-    def add_tokens(self, token_ids: list[int]) -> str:
-        """Append newly generated tokens; returns the newly released text (may be "")."""
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str:
+        """Append newly generated tokens; returns the newly released text (may be ""). check_stop=False (before a
+        request's min_tokens) releases the text as it is, held-back text included, without looking for stop
+        strings; they are looked for in what comes after."""
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
-        return self._release(self._decode_new(final=False), final=False)
+        return self._release(self._decode_new(final=False), final=False, check_stop=check_stop)
 
-    def finish(self) -> str:
+    def finish(self, check_stop: bool = True) -> str:
         """Generation ended without a stop string having been confirmed: release what is held.
 
         If the held text contains a stop string (possible when an earlier partial match kept
@@ -98,7 +101,7 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return ""
-        return self._release(self._decode_new(final=True), final=True)
+        return self._release(self._decode_new(final=True), final=True, check_stop=check_stop)
 
 
 class NoTextDetokenizer:
@@ -108,8 +111,8 @@ class NoTextDetokenizer:
     stopped = False
     stop_string = None
 
-    def add_tokens(self, token_ids: list[int]) -> str:
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str:
         return ""
 
-    def finish(self) -> str:
+    def finish(self, check_stop: bool = True) -> str:
         return ""

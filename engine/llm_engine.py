@@ -19,7 +19,7 @@ from eightbit.engine.model_runner import ModelRunner, kv_bytes_per_token
 from eightbit.engine.outputs import CompletionOutput, RequestOutput
 from eightbit.engine.sampler import (
     SamplingTensors,
-    apply_penalties,
+    adjust_logits,
     gather_logprobs,
     logprobs_to_dicts,
     make_generator,
@@ -172,6 +172,10 @@ class LLMEngine:
         for field in ("logprobs", "prompt_logprobs", "top_k"):
             if (getattr(params, field) or 0) > vocab:
                 raise ValueError(f"{field}={getattr(params, field)} exceeds the vocabulary size {vocab}")
+        for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -265,15 +269,22 @@ class LLMEngine:
         if rows != list(range(len(logits))):  # n > 1 forks repeat rows
             logits = logits[to_device(rows, torch.int64, logits.device)]
         params = [s.params for s in seqs]
-        penalized = logits
-        if any(p.penalized for p in params):
-            penalized = apply_penalties(logits, params, [s.token_ids for s in seqs],
-                                        [s.num_prompt_tokens for s in seqs])
-        tokens = sample(penalized, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs],
+        adjusted = logits
+        if any(p.adjusts_logits for p in params):
+            # a continuation samples the token after the one still on its way to the host
+            before = [len(s.output_token_ids) + (input_tokens is not None) for s in seqs]
+            banned = [self._stop_tokens(p) if n < p.min_tokens else () for p, n in zip(params, before)]
+            adjusted = adjust_logits(logits, params, [s.token_ids for s in seqs],
+                                     [s.num_prompt_tokens for s in seqs], banned)
+        tokens = sample(adjusted, SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs],
                         self.generator)
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = gather_logprobs(logits, tokens, k) if k is not None else ()
         return LaunchedStep(scheduled, seqs, tokens, *_copy_to_host((tokens, *logprobs)))
+
+    def _stop_tokens(self, params) -> list[int]:
+        """The tokens that would end a sequence of these params (not sampled before its min_tokens)."""
+        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
 
     def _launch_continuation(self, launched: LaunchedStep) -> LaunchedStep | None:
         """Launch the next decode step of `launched`'s sequences now, or None if it must wait for the host
@@ -352,12 +363,13 @@ class LLMEngine:
         """Detokenize the new token and finish the sequence if a stop condition holds."""
         params, detok = seq.params, seq.detokenizer
         delta = ""
+        check_stop = len(seq.output_token_ids) >= params.min_tokens  # vLLM's rule: no stop before min_tokens
         if not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"  # a stop token stays in token_ids but never reaches the text
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         else:
-            delta = detok.add_tokens([token])
+            delta = detok.add_tokens([token], check_stop)
             if detok.stopped:
                 seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
             elif len(seq.output_token_ids) >= (params.max_tokens or self.max_model_len):
@@ -366,7 +378,7 @@ class LLMEngine:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             if not detok.stopped:
-                delta += detok.finish()
+                delta += detok.finish(check_stop)
                 if detok.stopped:  # a held-back stop string confirmed only at the end
                     seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
             self.scheduler.finish(seq)

@@ -66,18 +66,37 @@ class SamplingTensors:
         )
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
-                    num_prompt_tokens: Sequence[int]) -> torch.Tensor:
-    """The logits [B, V] with each row's presence, frequency and repetition penalties applied (SamplingParams
-    says how), as a new float32 tensor; ``logits`` is left untouched (the log-probs report the raw values).
-    token_ids[i] is row i's prompt followed by its output so far, of which the first num_prompt_tokens[i] are the
-    prompt. Only the rows that ask for a penalty are touched; their token counts are built from the host's ids
-    each step (O(tokens) on the host, a [rows, V] tensor on the device)."""
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
+                  num_prompt_tokens: Sequence[int], banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The logits [B, V] as each row's SamplingParams change them before sampling, in vLLM's order: its logit_bias
+    added, its `banned` tokens (the stop tokens, until min_tokens are out) set to -inf, then its presence,
+    frequency and repetition penalties. A new float32 tensor; ``logits`` is left untouched (the log-probs report
+    the raw values). token_ids[i] is row i's prompt followed by its output so far (the first num_prompt_tokens[i]
+    are the prompt). The penalties' token counts are built from the host's ids each step (O(tokens) on the
+    host, a [rows, V] tensor on the device), for the rows that ask for them only."""
+    out, device = logits.float().clone(), logits.device
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            rows.append(i)
+            ids.append(t)
+            values.append(b)
+    if rows:
+        out.index_put_((to_device(rows, torch.int64, device), to_device(ids, torch.int64, device)),
+                       to_device(values, torch.float32, device), accumulate=True)
+    rows = [i for i, b in enumerate(banned) for _ in b]
+    if rows:
+        out[to_device(rows, torch.int64, device), to_device([t for b in banned for t in b], torch.int64, device)] = \
+            float("-inf")
+    if any(p.penalized for p in params):
+        _apply_penalties(out, params, token_ids, num_prompt_tokens)
+    return out
+
+
+def _apply_penalties(out: torch.Tensor, params, token_ids, num_prompt_tokens) -> None:
+    """In place on the float32 logits `out`: presence, frequency and repetition penalties (SamplingParams)."""
     rows = [i for i, p in enumerate(params) if p.penalized]
-    out = logits.float().clone()
-    if not rows:
-        return out
-    device, vocab = logits.device, logits.shape[1]
+    device, vocab = out.device, out.shape[1]
     seen_row, seen_id, out_row, out_id = [], [], [], []
     for j, i in enumerate(rows):
         ids, n = token_ids[i], num_prompt_tokens[i]
@@ -100,7 +119,6 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], toke
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
     out[index] = x
-    return out
 
 
 def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

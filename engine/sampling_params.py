@@ -34,7 +34,10 @@ class SamplingParams:
     The penalties are vLLM's (and OpenAI's), applied to the logits before everything else, greedy rows
     included: ``presence_penalty`` is subtracted from every token the output holds, ``frequency_penalty``
     once per occurrence there, and a token in the prompt or the output has a positive logit divided by
-    ``repetition_penalty`` and a negative one multiplied by it (HF transformers' rule).
+    ``repetition_penalty`` and a negative one multiplied by it (HF transformers' rule). ``logit_bias``
+    ({token id: bias in [-100, 100]}) is added to the logits first. Until ``min_tokens`` tokens are generated,
+    the end-of-sequence and ``stop_token_ids`` tokens cannot be sampled and stop strings are not looked for
+    (they are looked for in the text that follows).
     """
 
     n: int = 1
@@ -53,6 +56,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, value, need: str):
@@ -106,6 +111,14 @@ class SamplingParams:
                 bad(field, getattr(self, field), "in [-2, 2]")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", self.min_tokens, "an int in [0, max_tokens]")
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in bias.items())):
+            bad("logit_bias", bias, "None or a dict of token ids >= 0 to biases in [-100, 100]")
+        self.logit_bias = {int(t): float(b) for t, b in bias.items()} if bias else None
         for field in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, getattr(self, field), "a bool")
@@ -123,7 +136,13 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (the penalties)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling: penalties, a bias or a minimum length."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

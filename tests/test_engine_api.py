@@ -410,3 +410,46 @@ def test_chat_does_not_double_the_template_s_bos(llm, monkeypatch):
                    use_tqdm=False)[0]
     assert out.prompt_token_ids == [1] + tok("Say hi.", add_special_tokens=False).input_ids
     assert out.prompt == bos + "Say hi."
+
+
+def test_min_tokens_holds_back_the_stop_tokens_and_strings(make_llm, llm):
+    """vLLM's min_tokens: the end-of-sequence and stop_token_ids cannot be sampled, and stop strings are not looked
+    for, until that many tokens are out; the same with async scheduling on and off (a continuation samples one
+    token further than the host has seen)."""
+    chat = [{"role": "user", "content": "Say hi."}]
+    free = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    n, eos = len(free.token_ids), free.token_ids[-1]
+    assert free.finish_reason == "stop" and eos in llm.engine.eos_token_ids and n < 30
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=n + 4, stop_token_ids=[free.token_ids[3]])
+    outs = [engine.chat(chat, params, use_tqdm=False)[0].outputs[0] for engine in (llm, make_llm(async_scheduling=False))]
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].text == outs[1].text
+    held = outs[0].token_ids
+    assert held[:3] == free.token_ids[:3] and len(held) >= n + 4
+    assert not {eos, free.token_ids[3]} & set(held[: n + 4])  # neither stop token among the first min_tokens
+    for engine in (llm, make_llm(async_scheduling=False)):  # the end-of-sequence token is the n-th: allowed there
+        for m, same in ((n - 1, True), (n, False)):
+            out = engine.chat(chat, SamplingParams(temperature=0, max_tokens=40, min_tokens=m),
+                              use_tqdm=False)[0].outputs[0]
+            assert (out.token_ids == free.token_ids) is same and out.token_ids[: n - 1] == free.token_ids[: n - 1]
+    word = free.text.split()[0]  # a stop string in the first tokens is not looked for before min_tokens
+    early = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop=[word]), use_tqdm=False)[0].outputs[0]
+    late = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop=[word], min_tokens=3),
+                    use_tqdm=False)[0].outputs[0]
+    assert early.text == "" and early.stop_reason == word
+    assert late.text == free.text and late.finish_reason == "stop" and late.stop_reason is None
+
+
+def test_logit_bias_steers_and_bans_tokens(llm):
+    prompt, greedy = PROMPTS[1], SamplingParams(temperature=0, max_tokens=6)
+    free = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logit_bias={free[0]: -100}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    forced = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logit_bias={1234: 100}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert banned[0] != free[0] and free[0] not in banned
+    assert forced == [1234] * 6
+    with pytest.raises(ValueError, match=r"logit_bias has token ids outside the vocabulary \[0, 49152\): \[49152\]"):
+        llm.generate([prompt], SamplingParams(logit_bias={49152: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids has token ids outside the vocabulary"):
+        llm.generate([prompt], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+    _assert_idle(llm.engine)

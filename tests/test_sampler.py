@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from eightbit.engine.sampler import (SamplingTensors, apply_penalties, filtered_logits, gather_logprobs,
+from eightbit.engine.sampler import (SamplingTensors, adjust_logits, filtered_logits, gather_logprobs,
                                      logprobs_to_dicts, make_generator, sample)
 from eightbit.engine.sampling_params import SamplingParams
 
@@ -222,9 +222,10 @@ def test_cuda_matches_contract():
     penalized = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), SamplingParams(),
                  SamplingParams(presence_penalty=-1.0)]
     history = [[1, 7, 7, 4999], [3], [0, 0, 12]]
-    on_gpu = apply_penalties(big[0], penalized, history, [1, 1, 2])
+    penalized[1] = SamplingParams(logit_bias={4: 2.5, 0: -1.0}, min_tokens=2)
+    on_gpu = adjust_logits(big[0], penalized, history, [1, 1, 2], [[], [7, 3], []])
     assert on_gpu.device.type == "cuda"
-    assert torch.equal(on_gpu.cpu(), apply_penalties(big[0].cpu(), penalized, history, [1, 1, 2]))
+    assert torch.equal(on_gpu.cpu(), adjust_logits(big[0].cpu(), penalized, history, [1, 1, 2], [[], [7, 3], []]))
 
 
 def test_penalties_hand_computed():
@@ -234,7 +235,7 @@ def test_penalties_hand_computed():
     logits = torch.tensor([[1.0, 4.0, -2.0, 3.0, -1.0], [1.0, 4.0, -2.0, 3.0, -1.0]])
     before = logits.clone()
     params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=1.0), SamplingParams()]
-    got = apply_penalties(logits, params, [[1, 2, 2, 3, 3], [1, 2, 2, 3, 3]], [2, 2])
+    got = adjust_logits(logits, params, [[1, 2, 2, 3, 3], [1, 2, 2, 3, 3]], [2, 2], [[], []])
     want_row0 = [1.0, 4.0 / 2, -2.0 * 2 - 0.5 - 1, 3.0 / 2 - 0.5 * 2 - 1, -1.0]
     assert got.tolist() == [want_row0, before[1].tolist()]
     assert torch.equal(logits, before) and got.dtype == torch.float32
@@ -252,7 +253,7 @@ def test_penalties_match_a_float64_loop_on_random_rows():
                                      presence_penalty=[0.3, 0, -1.1][(r + 1) % 3]))
         histories.append(ids)
         prompts.append(n)
-    got = apply_penalties(logits, params, histories, prompts)
+    got = adjust_logits(logits, params, histories, prompts, [[]] * rows)
     for r, (p, ids, n) in enumerate(zip(params, histories, prompts)):
         for t in range(vocab):
             x = logits[r, t].double().item()
@@ -261,3 +262,12 @@ def test_penalties_match_a_float64_loop_on_random_rows():
             count = ids[n:].count(t)
             x -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
             assert got[r, t].item() == pytest.approx(x, abs=1e-5), (r, t)
+
+
+def test_logit_bias_then_banned_tokens_then_penalties():
+    """vLLM's order: the bias is added first, the banned tokens (stop tokens before min_tokens) become -inf whatever
+    their bias, then the penalties; a row without settings is unchanged."""
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5], [1.0, 2.0, -1.0, 0.5]])
+    params = [SamplingParams(logit_bias={0: 3.0, 2: 100.0, 3: -0.5}, repetition_penalty=2.0), SamplingParams()]
+    got = adjust_logits(logits, params, [[0, 1], [0, 1]], [2, 2], [[2], []])
+    assert got.tolist() == [[(1.0 + 3.0) / 2, 2.0 / 2, float("-inf"), 0.0], logits[1].tolist()]

@@ -11,10 +11,12 @@ def test_defaults_match_vllm():
     expected = dict(n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None,
                     max_tokens=16, stop=[], stop_token_ids=[], ignore_eos=False, logprobs=None,
                     prompt_logprobs=None, skip_special_tokens=True, presence_penalty=0.0, frequency_penalty=0.0,
-                    repetition_penalty=1.0)
+                    repetition_penalty=1.0, logit_bias=None, min_tokens=0)
     assert [f.name for f in dataclasses.fields(p)] == list(expected)
     assert dataclasses.asdict(p) == expected
-    assert not p.greedy and not p.penalized
+    assert not p.greedy and not p.penalized and not p.adjusts_logits
+    assert SamplingParams(logit_bias={3: 1}).logit_bias == {3: 1.0} and SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(min_tokens=5, max_tokens=None).adjusts_logits
     assert all(SamplingParams(**{name: value}).penalized
                for name, value in (("presence_penalty", 0.1), ("frequency_penalty", -1), ("repetition_penalty", 1.1)))
 
@@ -44,6 +46,8 @@ def test_greedy_and_normalization():
     ("ignore_eos", 1), ("skip_special_tokens", None),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0),  # 17 > the default max_tokens 16
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 101}), ("logit_bias", {"1": 1.0}), ("logit_bias", [1]),
 ])
 def test_invalid_values_raise_naming_field_and_value(field, value):
     with pytest.raises(ValueError) as err:

@@ -135,6 +135,16 @@ def test_penalties_reach_the_engine(client, offline):
     assert out.choices[0].text == ref != plain
 
 
+def test_logit_bias_and_min_tokens_reach_the_engine(client, offline):
+    """OpenAI's logit_bias (token ids as string keys) and vLLM's min_tokens: the offline LLM's text with the same
+    SamplingParams."""
+    ref = offline.generate(["Once upon a time"], greedy(8, logit_bias={1234: 30.0, 11: -100.0}, min_tokens=8),
+                           use_tqdm=False)[0].outputs[0]
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                    logit_bias={"1234": 30, "11": -100}, extra_body={"min_tokens": 8})
+    assert out.choices[0].text == ref.text and 1234 in ref.token_ids
+
+
 def test_completions_batch_prompt_and_token_ids(client, offline):
     ref = offline.generate(PROMPTS[:3], greedy(8), use_tqdm=False)
     out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
@@ -295,6 +305,13 @@ def test_logprobs(client, offline):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt"),

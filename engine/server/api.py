@@ -36,6 +36,7 @@ log = logging.getLogger("eightbit.server")
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each generated token is checked against every stop string, on the loop all requests share
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # entries: each is host work at every step of the request
 # A prompt of more characters than this many per token of the context cannot fit (no tokenizer packs that many
 # characters into each token of real text): refused before tokenizing, so a huge body does not hold a tokenizer worker
 MAX_CHARS_PER_TOKEN = 32
@@ -269,7 +270,15 @@ def _reject_unless(condition: bool, param: str, message: str):
 def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
     _reject_unless(req.stream or req.stream_options is None, "stream_options",
                    "stream_options is only allowed when stream is true")
-    _reject_unless(not req.logit_bias, "logit_bias", "logit_bias is not implemented")
+    logit_bias = None
+    if req.logit_bias:  # OpenAI's keys are token ids as strings
+        if len(req.logit_bias) > MAX_LOGIT_BIAS:
+            raise APIError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}",
+                           param="logit_bias")
+        if not all(k.strip().isdigit() for k in req.logit_bias):
+            raise APIError(f"logit_bias keys must be token ids, got {[k for k in req.logit_bias][:5]}",
+                           param="logit_bias")
+        logit_bias = {int(k): v for k, v in req.logit_bias.items()}
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
         raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
@@ -291,6 +300,8 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
+            min_tokens=req.min_tokens,
         )
     except ValueError as e:  # SamplingParams' messages start with the field name
         raise APIError(str(e), param=str(e).split()[0]) from None
@@ -304,6 +315,11 @@ def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
     if params.top_k > state.vocab_size:
         raise APIError(f"top_k must be at most the vocabulary size {state.vocab_size}, got {params.top_k}",
                        param="top_k")
+    for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        outside = [t for t in ids if t >= state.vocab_size]
+        if outside:
+            raise APIError(f"{param} has token ids outside the vocabulary [0, {state.vocab_size}): {outside[:5]}",
+                           param=param)
 
 
 def _check_chars(state: ServerState, num_chars: int, param: str):

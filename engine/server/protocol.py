@@ -64,6 +64,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
+    min_tokens: int = 0
 
 
 class CompletionRequest(_SamplingFields):
