@@ -363,7 +363,7 @@ class LLMEngine:
         """Detokenize the new token and finish the sequence if a stop condition holds."""
         params, detok = seq.params, seq.detokenizer
         delta = ""
-        check_stop = len(seq.output_token_ids) >= params.min_tokens  # vLLM's rule: no stop before min_tokens
+        check_stop = len(seq.output_token_ids) > params.min_tokens  # vLLM's: not in the first min_tokens' text
         if not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"  # a stop token stays in token_ids but never reaches the text
         elif token in params.stop_token_ids:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import SamplingParams
-from .transfer import to_device
+from .transfer import host_tensor_to_device, to_device
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -73,7 +73,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_
     frequency and repetition penalties. A new float32 tensor; ``logits`` is left untouched (the log-probs report
     the raw values). token_ids[i] is row i's prompt followed by its output so far (the first num_prompt_tokens[i]
     are the prompt). The penalties' token counts are built from the host's ids each step (O(tokens) on the
-    host, a [rows, V] tensor on the device), for the rows that ask for them only."""
+    host, a [rows, V] tensor on the device), for the rows that ask for them only. Nothing here makes the host
+    wait for the GPU: every index and value goes up through pinned memory (transfer.py), and constants are
+    written from device tensors (a Python scalar written at indices is a pageable copy, which waits)."""
     out, device = logits.float().clone(), logits.device
     rows, ids, values = [], [], []
     for i, p in enumerate(params):
@@ -86,8 +88,8 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_
                        to_device(values, torch.float32, device), accumulate=True)
     rows = [i for i, b in enumerate(banned) for _ in b]
     if rows:
-        out[to_device(rows, torch.int64, device), to_device([t for b in banned for t in b], torch.int64, device)] = \
-            float("-inf")
+        out.index_put_((to_device(rows, torch.int64, device), to_device([t for b in banned for t in b], torch.int64,
+                                                                          device)), out.new_full((), float("-inf")))
     if any(p.penalized for p in params):
         _apply_penalties(out, params, token_ids, num_prompt_tokens)
     return out
@@ -97,19 +99,18 @@ def _apply_penalties(out: torch.Tensor, params, token_ids, num_prompt_tokens) ->
     """In place on the float32 logits `out`: presence, frequency and repetition penalties (SamplingParams)."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     device, vocab = out.device, out.shape[1]
-    seen_row, seen_id, out_row, out_id = [], [], [], []
-    for j, i in enumerate(rows):
-        ids, n = token_ids[i], num_prompt_tokens[i]
-        seen_row += [j] * len(ids)
-        seen_id += ids
-        out_row += [j] * (len(ids) - n)
-        out_id += ids[n:]
-    counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
-    if out_id:
-        counts.index_put_((to_device(out_row, torch.int64, device), to_device(out_id, torch.int64, device)),
-                          torch.ones(len(out_id), device=device), accumulate=True)
+    histories = [torch.tensor(token_ids[i], dtype=torch.int64) for i in rows]  # one C-level conversion per row
+    lengths = torch.tensor([len(h) for h in histories])
+    prompts = torch.tensor([num_prompt_tokens[i] for i in rows])
+    seen_id = torch.cat(histories)
+    seen_row = torch.arange(len(rows)).repeat_interleave(lengths)
+    position = torch.arange(len(seen_id)) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)  # in its row
+    is_output = position >= prompts.repeat_interleave(lengths)
+    where = (host_tensor_to_device(seen_row, device), host_tensor_to_device(seen_id, device))
     seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    seen[to_device(seen_row, torch.int64, device), to_device(seen_id, torch.int64, device)] = True
+    seen.index_put_(where, seen.new_ones(()))
+    counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
+    counts.index_put_(where, host_tensor_to_device(is_output.float(), device), accumulate=True)
 
     def column(name):
         return to_device([float(getattr(params[i], name)) for i in rows], torch.float32, device).unsqueeze(1)

@@ -109,8 +109,8 @@ class SamplingParams:
         for field in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, field)) or not -2 <= getattr(self, field) <= 2:
                 bad(field, getattr(self, field), "in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        if not _is_number(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            bad("repetition_penalty", self.repetition_penalty, "in [0.01, 100]")  # further, float32 overflows
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", self.min_tokens, "an int in [0, max_tokens]")

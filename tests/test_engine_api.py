@@ -431,6 +431,15 @@ def test_min_tokens_holds_back_the_stop_tokens_and_strings(make_llm, llm):
             out = engine.chat(chat, SamplingParams(temperature=0, max_tokens=40, min_tokens=m),
                               use_tqdm=False)[0].outputs[0]
             assert (out.token_ids == free.token_ids) is same and out.token_ids[: n - 1] == free.token_ids[: n - 1]
+    tok = llm.get_tokenizer()  # a stop string that the m-th token completes: found past min_tokens only
+    m = next(m for m in range(2, n) if tok.decode(free.token_ids[m - 1]).strip()
+             and tok.decode(free.token_ids[m - 1]) not in tok.decode(free.token_ids[: m - 1]))
+    piece = tok.decode(free.token_ids[m - 1])
+    for min_tokens, stops in ((m - 1, True), (m, False)):
+        out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop=[piece], min_tokens=min_tokens),
+                       use_tqdm=False)[0].outputs[0]
+        assert (len(out.token_ids) == m and out.stop_reason == piece) is stops, (min_tokens, piece)
+        assert out.token_ids[:m] == free.token_ids[:m]
     word = free.text.split()[0]  # a stop string in the first tokens is not looked for before min_tokens
     early = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop=[word]), use_tqdm=False)[0].outputs[0]
     late = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, stop=[word], min_tokens=3),

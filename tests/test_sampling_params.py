@@ -46,6 +46,7 @@ def test_greedy_and_normalization():
     ("ignore_eos", 1), ("skip_special_tokens", None),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
+    ("repetition_penalty", 1e-40), ("repetition_penalty", 1e39),
     ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0),  # 17 > the default max_tokens 16
     ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 101}), ("logit_bias", {"1": 1.0}), ("logit_bias", [1]),
 ])

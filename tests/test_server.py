@@ -312,6 +312,11 @@ def test_logprobs(client, offline):
      "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # "²"
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"7": 1, "07": 2}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": None,
+                              "min_tokens": 5000}, 400, "min_tokens"),  # more than the context leaves
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt"),

@@ -36,7 +36,7 @@ log = logging.getLogger("eightbit.server")
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each generated token is checked against every stop string, on the loop all requests share
 MAX_STOP_CHARS = 1024
-MAX_LOGIT_BIAS = 1024  # entries: each is host work at every step of the request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries, and stop_token_ids: each is host work at every step of the request
 # A prompt of more characters than this many per token of the context cannot fit (no tokenizer packs that many
 # characters into each token of real text): refused before tokenizing, so a huge body does not hold a tokenizer worker
 MAX_CHARS_PER_TOKEN = 32
@@ -275,10 +275,15 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
         if len(req.logit_bias) > MAX_LOGIT_BIAS:
             raise APIError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}",
                            param="logit_bias")
-        if not all(k.strip().isdigit() for k in req.logit_bias):
+        if not all(k.strip().isascii() and k.strip().isdigit() for k in req.logit_bias):
             raise APIError(f"logit_bias keys must be token ids, got {[k for k in req.logit_bias][:5]}",
                            param="logit_bias")
         logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+        if len(logit_bias) < len(req.logit_bias):
+            raise APIError("logit_bias names a token id twice (e.g. '7' and '07')", param="logit_bias")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_LOGIT_BIAS:
+        raise APIError(f"stop_token_ids takes at most {MAX_LOGIT_BIAS} ids, got {len(req.stop_token_ids)}",
+                       param="stop_token_ids")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
         raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
@@ -349,7 +354,7 @@ def _check_template_kwargs(state: ServerState, kwargs: dict | None):
                        "(parameters of apply_chat_template)", param="chat_template_kwargs")
 
 
-def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None):
+def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None, min_tokens: int):
     for ids in prompts:
         if not ids:
             raise APIError("the prompt is empty", param="prompt")
@@ -361,6 +366,10 @@ def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int 
             raise APIError(f"this model's maximum context length is {state.max_model_len} tokens, but "
                            f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, {max_tokens} "
                            f"max_tokens)", param="max_tokens", code="context_length_exceeded")
+        if len(ids) + min_tokens > state.max_model_len:  # with max_tokens null, what the context leaves
+            raise APIError(f"min_tokens={min_tokens} does not fit this model's maximum context length of "
+                           f"{state.max_model_len} tokens after the prompt's {len(ids)}", param="min_tokens",
+                           code="context_length_exceeded")
 
 
 async def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
@@ -553,7 +562,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         prompts = await _completion_prompts(state, req.prompt)
         _check_limits(state, params, len(prompts))
-        _check_length(state, prompts, req.max_tokens)
+        _check_length(state, prompts, req.max_tokens, params.min_tokens)
         request_id = P.random_id("cmpl")
         gen = Generation(state, request_id, prompts, params, raw_request, arrival)
         gen.start()
@@ -606,7 +615,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         _check_limits(state, params, 1)
-        _check_length(state, [prompt], max_tokens)
+        _check_length(state, [prompt], max_tokens, params.min_tokens)
         request_id = P.random_id("chatcmpl")
         gen = Generation(state, request_id, [prompt], params, raw_request, arrival)
         gen.start()
