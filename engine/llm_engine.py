@@ -269,23 +269,24 @@ class LLMEngine:
         if rows != list(range(len(logits))):  # n > 1 forks repeat rows
             logits = logits[to_device(rows, torch.int64, logits.device)]
         params = [s.params for s in seqs]
-        tokens = sample(self._adjusted_logits(logits, seqs, input_tokens is not None),
+        tokens = sample(self._adjusted_logits(logits, seqs, input_tokens),
                         SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs], self.generator)
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = gather_logprobs(logits, tokens, k) if k is not None else ()  # raw logits, as vLLM reports
         return LaunchedStep(scheduled, seqs, tokens, *_copy_to_host((tokens, *logprobs)))
 
-    def _adjusted_logits(self, logits, seqs, continuation: bool):
+    def _adjusted_logits(self, logits, seqs, in_flight):
         """The logits as the sequences' SamplingParams change them before sampling (sampler.adjust_logits: bias,
-        stop tokens banned before min_tokens, penalties), or the logits themselves where nothing does. A
-        continuation samples the token after the one still on its way to the host."""
+        stop tokens banned before min_tokens, penalties), or the logits themselves where nothing does.
+        in_flight: a continuation's input tokens on the device, one per sequence (its row order): the tokens the
+        host has not appended yet, which count as each sequence's last output token."""
         params = [s.params for s in seqs]
         if not any(p.adjusts_logits for p in params):
             return logits
-        before = [len(s.output_token_ids) + continuation for s in seqs]
+        before = [len(s.output_token_ids) + (in_flight is not None) for s in seqs]
         banned = [self._stop_tokens(p) if n < p.min_tokens else () for p, n in zip(params, before)]
         return adjust_logits(logits, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs],
-                             banned)
+                             banned, in_flight)
 
     def _stop_tokens(self, params) -> list[int]:
         """The tokens that would end a sequence of these params (not sampled before its min_tokens)."""
@@ -298,8 +299,6 @@ class LLMEngine:
         if not keep:
             return None
         seqs = [launched.seqs[i] for i in keep]
-        if any(s.params.penalized for s in seqs):  # the penalties count every token: wait for this one on the host
-            return None
         sched = self.scheduler.schedule_continuation(seqs, launched.seqs)
         if sched is None:
             return None

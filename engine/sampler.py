@@ -67,12 +67,15 @@ class SamplingTensors:
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
-                  num_prompt_tokens: Sequence[int], banned: Sequence[Sequence[int]]) -> torch.Tensor:
+                  num_prompt_tokens: Sequence[int], banned: Sequence[Sequence[int]],
+                  in_flight: torch.Tensor | None = None) -> torch.Tensor:
     """The logits [B, V] as each row's SamplingParams change them before sampling, in vLLM's order: its logit_bias
     added, its `banned` tokens (the stop tokens, until min_tokens are out) set to -inf, then its presence,
     frequency and repetition penalties. A new float32 tensor; ``logits`` is left untouched (the log-probs report
     the raw values). token_ids[i] is row i's prompt followed by its output so far (the first num_prompt_tokens[i]
-    are the prompt). The penalties' token counts are built from the host's ids each step (O(tokens) on the
+    are the prompt); in_flight ([B] on the device, or None) holds each row's last output token where the host
+    has not seen it yet (an async continuation). The penalties' token counts are built from the host's ids each
+    step (O(tokens) on the
     host, a [rows, V] tensor on the device), for the rows that ask for them only. Nothing here makes the host
     wait for the GPU: every index and value goes up through pinned memory (transfer.py), and constants are
     written from device tensors (a Python scalar written at indices is a pageable copy, which waits)."""
@@ -91,11 +94,11 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_
         out.index_put_((to_device(rows, torch.int64, device), to_device([t for b in banned for t in b], torch.int64,
                                                                           device)), out.new_full((), float("-inf")))
     if any(p.penalized for p in params):
-        _apply_penalties(out, params, token_ids, num_prompt_tokens)
+        _apply_penalties(out, params, token_ids, num_prompt_tokens, in_flight)
     return out
 
 
-def _apply_penalties(out: torch.Tensor, params, token_ids, num_prompt_tokens) -> None:
+def _apply_penalties(out: torch.Tensor, params, token_ids, num_prompt_tokens, in_flight) -> None:
     """In place on the float32 logits `out`: presence, frequency and repetition penalties (SamplingParams)."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     device, vocab = out.device, out.shape[1]
@@ -111,11 +114,15 @@ def _apply_penalties(out: torch.Tensor, params, token_ids, num_prompt_tokens) ->
     seen.index_put_(where, seen.new_ones(()))
     counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
     counts.index_put_(where, host_tensor_to_device(is_output.float(), device), accumulate=True)
+    index = to_device(rows, torch.int64, device)
+    if in_flight is not None:  # one more output token per row, known on the device only
+        last = (torch.arange(len(rows), device=device), in_flight.to(device=device, dtype=torch.int64)[index])
+        seen.index_put_(last, seen.new_ones(()))
+        counts.index_put_(last, counts.new_ones(()), accumulate=True)
 
     def column(name):
         return to_device([float(getattr(params[i], name)) for i in rows], torch.float32, device).unsqueeze(1)
 
-    index = to_device(rows, torch.int64, device)
     x, rep = out[index], column("repetition_penalty")
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)

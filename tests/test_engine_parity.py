@@ -160,17 +160,23 @@ def test_repetition_penalty_matches_hf(make_llm, hf_model, tokenizer):
 
 
 def test_frequency_and_presence_penalties_match_a_greedy_loop_over_hf_logits(make_llm, hf_model, tokenizer):
-    """OpenAI's rule by hand on HF's float64 logits: each output token's logit less frequency x its count and
-    presence once; greedy, with async scheduling on (a penalized step waits for its last token)."""
+    """OpenAI's rule by hand on HF's float64 logits: a logit_bias of 8 on " jumps", then each output token's logit
+    less frequency x its count and presence once; greedy, with async scheduling on: continuations count the token
+    the host has not seen yet (without it, " jumps" is penalized one step late and the texts part)."""
     ids = tokenizer("The quick brown fox").input_ids
-    params = SamplingParams(temperature=0, max_tokens=16, frequency_penalty=0.8, presence_penalty=0.4, ignore_eos=True)
+    jumps = tokenizer(" jumps").input_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=16, frequency_penalty=0.8, presence_penalty=0.4, ignore_eos=True,
+                            logit_bias={jumps: 8.0})
     llm = make_llm()
-    assert llm.engine.config.async_scheduling
+    real, continued = llm.engine._launch_continuation, []
+    llm.engine._launch_continuation = lambda launched: continued.append(real(launched)) or continued[-1]
     ours = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert sum(c is not None for c in continued) >= 10  # the penalized steps ran ahead of the host
     seq, theirs, scores = list(ids), [], []
     for _ in range(16):
         with torch.no_grad():
             logits = hf_model(torch.tensor([seq])).logits[0, -1].double()
+        logits[jumps] += 8.0
         output = seq[len(ids):]
         for t in set(output):
             logits[t] -= 0.8 * output.count(t) + 0.4

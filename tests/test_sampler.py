@@ -225,11 +225,13 @@ def test_cuda_matches_contract():
     penalized[1] = SamplingParams(logit_bias={4: 2.5, 0: -1.0}, min_tokens=2)
     torch.cuda.set_sync_debug_mode("error")  # the host must not wait for the GPU here (async scheduling)
     try:
-        on_gpu = adjust_logits(big[0], penalized, history, [1, 1, 2], [[], [7, 3], []])
+        in_flight = torch.tensor([9, 8, 7], device=dev)
+        on_gpu = adjust_logits(big[0], penalized, history, [1, 1, 2], [[], [7, 3], []], in_flight)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert on_gpu.device.type == "cuda"
-    assert torch.equal(on_gpu.cpu(), adjust_logits(big[0].cpu(), penalized, history, [1, 1, 2], [[], [7, 3], []]))
+    assert torch.equal(on_gpu.cpu(), adjust_logits(big[0].cpu(), penalized, history, [1, 1, 2], [[], [7, 3], []],
+                                                   in_flight.cpu()))
 
 
 def test_penalties_hand_computed():
@@ -275,3 +277,17 @@ def test_logit_bias_then_banned_tokens_then_penalties():
     params = [SamplingParams(logit_bias={0: 3.0, 2: 100.0, 3: -0.5}, repetition_penalty=2.0), SamplingParams()]
     got = adjust_logits(logits, params, [[0, 1], [0, 1]], [2, 2], [[2], []])
     assert got.tolist() == [[(1.0 + 3.0) / 2, 2.0 / 2, float("-inf"), 0.0], logits[1].tolist()]
+
+
+def test_a_token_in_flight_counts_like_one_the_host_has():
+    """An async continuation samples before the host has the previous token: passed on the device as in_flight,
+    it must count exactly as if it were the last entry of the row's history."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.2), SamplingParams(),
+              SamplingParams(frequency_penalty=-1.0, min_tokens=3)]
+    history = [[5, 6, 7, 7], [1, 2], [9, 9, 3]]
+    in_flight = torch.tensor([7, 11, 30])
+    got = adjust_logits(logits, params, history, [2, 1, 1], [[], [], [4]], in_flight)
+    want = adjust_logits(logits, params, [h + [int(t)] for h, t in zip(history, in_flight)], [2, 1, 1], [[], [], [4]])
+    assert torch.equal(got, want)
