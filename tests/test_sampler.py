@@ -223,9 +223,9 @@ def test_cuda_matches_contract():
                  SamplingParams(presence_penalty=-1.0)]
     history = [[1, 7, 7, 4999], [3], [0, 0, 12]]
     penalized[1] = SamplingParams(logit_bias={4: 2.5, 0: -1.0}, min_tokens=2)
+    in_flight = torch.tensor([9, 8, 7], device=dev)  # (a copy from pageable memory: before the check)
     torch.cuda.set_sync_debug_mode("error")  # the host must not wait for the GPU here (async scheduling)
     try:
-        in_flight = torch.tensor([9, 8, 7], device=dev)
         on_gpu = adjust_logits(big[0], penalized, history, [1, 1, 2], [[], [7, 3], []], in_flight)
     finally:
         torch.cuda.set_sync_debug_mode(0)
