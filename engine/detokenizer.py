@@ -19,12 +19,14 @@ class IncrementalDetokenizer:
 
     Text is held back while it (a) ends in an incomplete UTF-8 character, or (b) could still be
     the start of a stop string. ``text`` is all text released so far; once ``stopped`` is True
-    the text is cut just before the earliest stop-string occurrence and nothing more comes.
+    the text is cut just before the earliest stop-string occurrence (just after it with
+    ``include_stop``) and nothing more comes.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop: bool = False):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         self._max_stop = max((len(s) for s in self.stop), default=0)
@@ -65,7 +67,9 @@ class IncrementalDetokenizer:
             self._pending = ""
             return buf
         found = [(i, s) for i, s in ((buf.find(s), s) for s in self.stop) if i >= 0]
-        cut, stop_string = min(found, key=lambda f: f[0], default=(None, None))
+        # the earliest occurrence; of stop strings starting there, the shortest (complete first, whatever the
+        # chunking of the tokens)
+        cut, stop_string = min(found, key=lambda f: (f[0], len(f[1])), default=(None, None))
         # Earliest position from which the rest of buf is a proper prefix of some stop string:
         # a stop string may still start there, so nothing from there on can be released yet.
         hold = len(buf)
@@ -77,7 +81,8 @@ class IncrementalDetokenizer:
                     break
         if cut is not None and cut <= hold:
             # No stop string can start before `cut` any more: the earliest occurrence is final.
-            out, self._pending, self.stopped = buf[:cut], "", True
+            end = cut + len(stop_string) if self.include_stop else cut
+            out, self._pending, self.stopped = buf[:end], "", True
             self.stop_string = stop_string
         else:
             out, self._pending = buf[:hold], buf[hold:]

@@ -213,9 +213,8 @@ class LLMEngine:
         if self.tokenizer is None:
             seq.detokenizer = NoTextDetokenizer()
             return
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.stop, params.skip_special_tokens
-        )
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.stop,
+                                                 params.skip_special_tokens, params.include_stop_str_in_output)
 
     def abort(self, request_id):
         """Stop a request now; its KV blocks go back to the pool at once. Unknown ids are ignored."""

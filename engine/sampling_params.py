@@ -28,7 +28,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy (argmax); ``top_k`` of -1 or 0 and ``top_p == 1`` and
     ``min_p == 0`` switch those filters off. ``top_k`` keeps every token tied with the k-th most
     likely one, as vLLM and HF transformers do. ``max_tokens=None`` means up to the context limit.
-    ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None).
+    ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None); a stop string ends the text
+    before it, or after it with ``include_stop_str_in_output``.
     ``logprobs``/``prompt_logprobs`` ask for that many most-likely tokens besides the chosen one;
     their values are the model's raw log-softmax, before penalties, temperature and top-k/top-p/min-p.
     The penalties are vLLM's (and OpenAI's), applied to the logits before everything else, greedy rows
@@ -58,6 +59,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value, need: str):
@@ -119,7 +121,7 @@ class SamplingParams:
                 _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in bias.items())):
             bad("logit_bias", bias, "None or a dict of token ids >= 0 to biases in [-100, 100]")
         self.logit_bias = {int(t): float(b) for t, b in bias.items()} if bias else None
-        for field in ("ignore_eos", "skip_special_tokens"):
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, getattr(self, field), "a bool")
         self._as_python_numbers()

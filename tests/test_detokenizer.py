@@ -119,6 +119,7 @@ def run(tok, text, stop, chunk=1):
     ("xabcd", ["abcd", "c"], "x"),    # 'c' completes first but 'abcd' started earlier
     ("xabce", ["abcd", "c"], "xab"),
     ("café 🎉 世界", ["🎉 世"], "café "),                      # multi-byte stop string
+    ("xabcd", ["abcd", "ab"], "x"),   # two start together: 'ab' is complete first (kept: "xab")
 ])
 def test_stop_strings(tok, text, stop, expected):
     for chunk in (1, 2):
@@ -126,6 +127,10 @@ def test_stop_strings(tok, text, stop, expected):
         assert det.text == expected and det.stopped
         assert det.add_tokens(enc(tok, " more")) == "" and det.finish() == ""
         assert det.text == expected
+        kept = IncrementalDetokenizer(tok, enc(tok, "Write something:"), stop=stop, include_stop=True)
+        deltas = stream(kept, enc(tok, text), chunk)  # include_stop_str_in_output: the stop string ends the text
+        assert "".join(deltas) == kept.text == expected + kept.stop_string and kept.stop_string in stop
+        assert kept.stop_string == min((s for s in stop if text.find(s) == len(expected)), key=len)
 
 
 def test_partial_match_released_when_it_turns_out_not_a_stop(tok):
@@ -179,3 +184,9 @@ def test_property_released_text_is_full_text_cut_at_first_stop(tok, text, stops,
     assert "".join(deltas) == det.text == (full[:min(hits)] if hits else full)
     assert det.stopped == bool(hits)
     assert not any(FFFD in d for d in deltas)
+    kept = IncrementalDetokenizer(tok, enc(tok, "prompt"), stop=stops, include_stop=True)
+    joined = "".join([kept.add_tokens(ids)] + [kept.finish()])
+    # the earliest occurrence; of those starting there, the shortest: it is complete first, and nothing can
+    # start before it any more
+    first = min(((full.find(s), len(s)) for s in stops if s in full), default=None)
+    assert joined == kept.text == (full[:first[0] + first[1]] if first else full)

@@ -51,6 +51,10 @@ def test_stream_deltas_join_to_the_final_text_and_stop_strings_are_cut(llm):
                            use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == final.text[: final.text.index(stop)]
+    kept = SamplingParams(temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=True)
+    outs = [out for _, out in llm.stream(PROMPTS[0], kept)]
+    assert "".join(o.outputs[0].delta for o in outs) == outs[-1].outputs[0].text == \
+        final.text[: final.text.index(stop) + len(stop)]
 
 
 def test_overlapping_calls_each_get_all_their_outputs(llm):

@@ -11,7 +11,8 @@ def test_defaults_match_vllm():
     expected = dict(n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None,
                     max_tokens=16, stop=[], stop_token_ids=[], ignore_eos=False, logprobs=None,
                     prompt_logprobs=None, skip_special_tokens=True, presence_penalty=0.0, frequency_penalty=0.0,
-                    repetition_penalty=1.0, logit_bias=None, min_tokens=0)
+                    repetition_penalty=1.0, logit_bias=None, min_tokens=0,
+                    include_stop_str_in_output=False)
     assert [f.name for f in dataclasses.fields(p)] == list(expected)
     assert dataclasses.asdict(p) == expected
     assert not p.greedy and not p.penalized and not p.adjusts_logits
@@ -43,7 +44,7 @@ def test_greedy_and_normalization():
     ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 3),
     ("stop_token_ids", [1, "2"]), ("stop_token_ids", 5), ("stop_token_ids", [-1]),
     ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", -2),
-    ("ignore_eos", 1), ("skip_special_tokens", None),
+    ("ignore_eos", 1), ("skip_special_tokens", None), ("include_stop_str_in_output", "yes"),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
     ("repetition_penalty", 1e-40), ("repetition_penalty", 1e39),

@@ -145,6 +145,14 @@ def test_logit_bias_and_min_tokens_reach_the_engine(client, offline):
     assert out.choices[0].text == ref.text and 1234 in ref.token_ids
 
 
+def test_include_stop_str_in_output(client, offline):
+    free = offline.generate(["Once upon a time"], greedy(16), use_tqdm=False)[0].outputs[0].text
+    stop = free.split()[2]
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True})
+    assert out.choices[0].text == free[: free.index(stop) + len(stop)] and out.choices[0].finish_reason == "stop"
+
+
 def test_completions_batch_prompt_and_token_ids(client, offline):
     ref = offline.generate(PROMPTS[:3], greedy(8), use_tqdm=False)
     out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=8, temperature=0)

@@ -307,6 +307,7 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=logit_bias,
             min_tokens=req.min_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except ValueError as e:  # SamplingParams' messages start with the field name
         raise APIError(str(e), param=str(e).split()[0]) from None

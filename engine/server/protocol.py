@@ -65,6 +65,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_SamplingFields):
