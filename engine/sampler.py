@@ -1,8 +1,9 @@
 """Token sampling and log-probs for one decoding step, batched in plain torch.
 
 Works on CPU and CUDA tensors alike: no per-element Python loops and no host syncs (the
-per-row settings go up from pinned memory; the only Python loop is over the rows that own a
-seeded generator).
+per-row settings go up from pinned memory; the Python loops are over the rows that own a
+seeded generator, and in adjust_logits over the entries of the rows that set a bias or a
+minimum length).
 """
 
 from __future__ import annotations
