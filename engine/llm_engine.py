@@ -168,14 +168,7 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the samples of a "
                              f"request run together")
-        vocab = self.hf_config.vocab_size
-        for field in ("logprobs", "prompt_logprobs", "top_k"):
-            if (getattr(params, field) or 0) > vocab:
-                raise ValueError(f"{field}={getattr(params, field)} exceeds the vocabulary size {vocab}")
-        for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        params.check_vocabulary(self.hf_config.vocab_size)
         text, token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(

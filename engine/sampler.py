@@ -76,9 +76,8 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_
     the raw values). token_ids[i] is row i's prompt followed by its output so far (the first num_prompt_tokens[i]
     are the prompt); in_flight ([B] on the device, or None) holds each row's last output token where the host
     has not seen it yet (an async continuation). The penalties' token counts are built from the host's ids each
-    step (O(tokens) on the
-    host, a [rows, V] tensor on the device), for the rows that ask for them only. Nothing here makes the host
-    wait for the GPU: every index and value goes up through pinned memory (transfer.py), and constants are
+    step (O(tokens) on the host, a [rows, V] tensor on the device), for the rows that ask for them only.
+    Nothing here makes the host wait for the GPU: every index and value goes up through pinned memory (transfer.py), and constants are
     written from device tensors (a Python scalar written at indices is a pageable copy, which waits)."""
     out, device = logits.float().clone(), logits.device
     rows, ids, values = [], [], []

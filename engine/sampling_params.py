@@ -7,15 +7,18 @@ import numbers
 from dataclasses import dataclass, fields
 
 
+def _is_bool(x) -> bool:
+    return isinstance(x, bool) or type(x).__name__ == "bool_"  # numpy's bool is no Python bool
+
+
 def _is_int(x) -> bool:
     """An integer of any kind (Python, numpy), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+    return isinstance(x, numbers.Integral) and not _is_bool(x)
 
 
 def _is_number(x) -> bool:
     """A finite real number of any kind (Python, numpy), not a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_" \
-        and math.isfinite(x)
+    return isinstance(x, numbers.Real) and not _is_bool(x) and math.isfinite(x)
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM
@@ -135,6 +138,17 @@ class SamplingParams:
             elif _is_number(v):
                 setattr(self, f.name, float(v))
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError (naming the field first) if a setting reaches past a vocabulary of vocab_size
+        tokens: the engine checks this on every request, the server before a request reaches the engine."""
+        for field in ("logprobs", "prompt_logprobs", "top_k"):
+            if (getattr(self, field) or 0) > vocab_size:
+                raise ValueError(f"{field}={getattr(self, field)} exceeds the vocabulary size {vocab_size}")
+        for field, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}")
 
     @property
     def penalized(self) -> bool:

@@ -36,7 +36,7 @@ log = logging.getLogger("eightbit.server")
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each generated token is checked against every stop string, on the loop all requests share
 MAX_STOP_CHARS = 1024
-MAX_LOGIT_BIAS = 1024  # logit_bias entries, and stop_token_ids: each is host work at every step of the request
+MAX_TOKEN_IDS = 1024  # logit_bias entries, and stop_token_ids: each is host work at every step of the request
 # A prompt of more characters than this many per token of the context cannot fit (no tokenizer packs that many
 # characters into each token of real text): refused before tokenizing, so a huge body does not hold a tokenizer worker
 MAX_CHARS_PER_TOKEN = 32
@@ -272,8 +272,8 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
                    "stream_options is only allowed when stream is true")
     logit_bias = None
     if req.logit_bias:  # OpenAI's keys are token ids as strings
-        if len(req.logit_bias) > MAX_LOGIT_BIAS:
-            raise APIError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}",
+        if len(req.logit_bias) > MAX_TOKEN_IDS:
+            raise APIError(f"logit_bias takes at most {MAX_TOKEN_IDS} entries, got {len(req.logit_bias)}",
                            param="logit_bias")
         if not all(k.strip().isascii() and k.strip().isdigit() for k in req.logit_bias):
             raise APIError(f"logit_bias keys must be token ids, got {[k for k in req.logit_bias][:5]}",
@@ -281,8 +281,8 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
         logit_bias = {int(k): v for k, v in req.logit_bias.items()}
         if len(logit_bias) < len(req.logit_bias):
             raise APIError("logit_bias names a token id twice (e.g. '7' and '07')", param="logit_bias")
-    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_LOGIT_BIAS:
-        raise APIError(f"stop_token_ids takes at most {MAX_LOGIT_BIAS} ids, got {len(req.stop_token_ids)}",
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_TOKEN_IDS:
+        raise APIError(f"stop_token_ids takes at most {MAX_TOKEN_IDS} ids, got {len(req.stop_token_ids)}",
                        param="stop_token_ids")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
@@ -318,14 +318,10 @@ def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
     if params.n * num_prompts > state.max_num_seqs:
         raise APIError(f"n x prompts = {params.n * num_prompts} exceeds this server's max_num_seqs "
                        f"({state.max_num_seqs}): the samples of a request run together", param="n")
-    if params.top_k > state.vocab_size:
-        raise APIError(f"top_k must be at most the vocabulary size {state.vocab_size}, got {params.top_k}",
-                       param="top_k")
-    for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-        outside = [t for t in ids if t >= state.vocab_size]
-        if outside:
-            raise APIError(f"{param} has token ids outside the vocabulary [0, {state.vocab_size}): {outside[:5]}",
-                           param=param)
+    try:
+        params.check_vocabulary(state.vocab_size)  # the engine's own rule
+    except ValueError as e:  # its messages start with the field name
+        raise APIError(str(e), param=str(e).split("=")[0].split()[0]) from None
 
 
 def _check_chars(state: ServerState, num_chars: int, param: str):
