@@ -56,7 +56,8 @@ class TokenizerPool:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="eightbit-tokenizer")
         self._token_text = {}
         self._token_bytes = {}
-        self._byte_level = tokenizer.is_fast and isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel)
+        self._byte_level = (tokenizer is not None and tokenizer.is_fast
+                            and isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel))
         barrier = threading.Barrier(workers)  # start every worker now and copy its tokenizer up front
         for f in [self._pool.submit(self._warm, barrier) for _ in range(workers)]:
             f.result()
@@ -133,6 +134,7 @@ class ServerState:
         self.vocab_size = engine.hf_config.vocab_size
         self.max_num_seqs = engine.config.max_num_seqs
         self.max_queue = max_queue
+        self.has_tokenizer = engine.tokenizer is not None  # dummy weights have none: token ids in and out
         self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_workers)
         self.template_call_params = _template_call_params(engine.tokenizer)
         self.metrics = Metrics(model_name)
@@ -267,6 +269,19 @@ def _reject_unless(condition: bool, param: str, message: str):
         raise APIError(message, param=param, code="unsupported_parameter")
 
 
+def _need_tokenizer(state: ServerState, condition: bool, param: str, what: str):
+    """Refuse `what` (a request needing text) when the model has no tokenizer."""
+    if condition and not state.has_tokenizer:
+        raise APIError(f"this model has no tokenizer (dummy weights): {what}", param=param)
+
+
+def _check_completion_needs_no_text(state: ServerState, req: P.CompletionRequest):
+    """What a completion cannot have from a model without a tokenizer: stop strings, and log-probs (their tokens
+    are text). Its prompts are checked as they are tokenized."""
+    _need_tokenizer(state, bool(req.stop), "stop", "stop strings cannot be matched; use stop_token_ids")
+    _need_tokenizer(state, req.logprobs is not None, "logprobs", "log-probs name their tokens as text")
+
+
 def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
     _reject_unless(req.stream or req.stream_options is None, "stream_options",
                    "stream_options is only allowed when stream is true")
@@ -381,6 +396,7 @@ async def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
         if isinstance(p, str):
             if not p:
                 raise APIError("prompt is empty", param="prompt")
+            _need_tokenizer(state, True, "prompt", "send the prompt as a list of token ids")
             _check_chars(state, len(p), "prompt")
             try:
                 out.append(await state.tokenizers.run(state.tokenizers.encode, p))
@@ -556,6 +572,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         _reject_unless(req.best_of in (None, req.n), "best_of", "best_of other than n is not supported")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        _check_completion_needs_no_text(state, req)
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         prompts = await _completion_prompts(state, req.prompt)
         _check_limits(state, params, len(prompts))
@@ -590,6 +607,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
     async def chat_completions(req: P.ChatCompletionRequest, raw_request: Request):
         arrival = time.monotonic()
         _check_model(state, req.model)
+        _need_tokenizer(state, True, "messages", "chat needs its chat template and tokenizer; use /v1/completions "
+                        "with token-id prompts")
         messages = _chat_messages(req)
         _reject_unless(not req.tools, "tools", "tools are not supported")
         _reject_unless(req.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
@@ -673,7 +692,8 @@ async def _stream_completion(state, gen: Generation, req, request_id, created):
         async for i, out in gen.results():
             for c in out.outputs:
                 key = (i, c.index)
-                if key in done or not (c.delta or c.finish_reason):
+                textless_token = not state.has_tokenizer and len(c.token_ids) > sent_tokens.get(key, 0)
+                if key in done or not (c.delta or c.finish_reason or textless_token):
                     continue  # text held back (a partial character or stop string): wait
                 start = sent_tokens.get(key, 0)
                 sent_tokens[key] = len(c.token_ids)
