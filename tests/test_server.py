@@ -629,6 +629,77 @@ def test_pending_aborts_are_not_counted_as_waiting_requests():
     assert loop.stats["waiting_requests"] == 1
 
 
+def test_a_step_wakes_each_event_loop_once():
+    """Each call_soon_threadsafe wakes the event loop's thread, which then competes with the engine loop for the
+    interpreter lock: a step's outputs go to each loop in one call, whatever the number of requests."""
+    from eightbit import EngineConfig, LLMEngine
+    from eightbit.engine.outputs import RequestOutput
+    from eightbit.engine.server.async_engine import AsyncEngine, Sink
+
+    class Loop:
+        def __init__(self, closed=False):
+            self.calls, self.closed = [], closed
+
+        def call_soon_threadsafe(self, fn, *args):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.calls.append((fn, args))
+
+    class Queue(list):
+        put_nowait = list.append
+
+    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    looper = AsyncEngine(engine)  # not started: _deliver is called by hand
+    a, b, gone = Loop(), Loop(), Loop(closed=True)
+    sinks = {"r0": Sink(a, Queue()), "r1": Sink(a, Queue()), "r2": Sink(a, Queue()), "r3": Sink(b, Queue()),
+             "r4": Sink(gone, Queue())}
+    looper._sinks.update(sinks)
+    for rid in sinks:
+        engine.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=4))
+
+    def out(rid, finished=False):
+        return RequestOutput(rid, None, [1, 2, 3], None, [], finished)
+
+    looper._deliver([out("r0"), out("r1", finished=True), out("r2"), out("r3"), out("r4")])
+    assert len(a.calls) == 1 and len(b.calls) == 1
+    for fn, args in a.calls + b.calls:  # what the event loop would run
+        fn(*args)
+    assert [[(rid, o.finished) for rid, o in sinks[r].queue] for r in ("r0", "r1", "r2", "r3")] == \
+        [[("r0", False)], [("r1", True)], [("r2", False)], [("r3", False)]]
+    assert set(looper._sinks) == {"r0", "r2", "r3"}  # r1 finished; r4's loop is closed: nobody listens
+    assert "r4" not in engine.requests and "r0" in engine.requests  # r4 aborted, its KV blocks freed
+
+
+def test_a_non_streamed_request_is_delivered_at_its_first_token_and_its_end():
+    """A streamed request hears of every step; a non-streamed one only of its first token (the queue count and the
+    TTFT metric need it) and its final output: the other deliveries would only wake the event loop."""
+    from eightbit import EngineConfig, LLMEngine
+    from eightbit.engine.server.async_engine import AsyncEngine, Sink
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    class Queue(list):
+        put_nowait = list.append
+
+    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    looper = AsyncEngine(engine)  # not started: commands and steps driven by hand
+    streamed, answered = Sink(Loop(), Queue()), Sink(Loop(), Queue())
+    params = SamplingParams(max_tokens=7, ignore_eos=True, temperature=0)
+    looper.submit("s", [5, 6, 7], params, streamed, every_step=True)
+    looper.submit("a", [5, 6, 7], params, answered, every_step=False)
+    looper._drain()
+    while engine.has_unfinished_requests():
+        looper._deliver(engine.step())
+    assert [len(o.outputs[0].token_ids) for _, o in streamed.queue] == list(range(1, 8))
+    assert [(len(o.outputs[0].token_ids), o.finished) for _, o in answered.queue] == [(1, False), (7, True)]
+    assert answered.queue[-1][1].outputs[0].token_ids == streamed.queue[-1][1].outputs[0].token_ids
+    assert looper._sinks == {} and looper._first_and_last == {}
+
+
 def test_streamed_logprob_offsets_equal_the_unstreamed_ones(client):
     """Chinese text: byte tokens whose characters are released a few tokens late (the stream holds partial ones)."""
     args = dict(model=MODEL, prompt="Translate to Chinese: good morning, my friend.\nChinese:", max_tokens=12,

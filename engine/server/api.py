@@ -175,7 +175,9 @@ class Generation:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    def start(self):
+    def start(self, every_step: bool):
+        """Submit the engine requests. every_step=False for a non-streamed answer: the handler then hears of each
+        request only at its first token (for the queue count and the TTFT metric) and when it finishes."""
         state = self.state
         if not state.engine.alive:
             raise APIError("the engine loop is not running", status=503, type="server_error", code="engine_dead")
@@ -190,7 +192,7 @@ class Generation:
         state.num_queued += len(self.ids)
         sink = Sink(asyncio.get_running_loop(), self.queue)
         for rid, prompt in zip(self.ids, self.prompts):
-            state.engine.submit(rid, prompt, self.params, sink)
+            state.engine.submit(rid, prompt, self.params, sink, every_step=every_step)
         self.watcher = asyncio.create_task(self._watch_disconnect())
 
     async def _watch_disconnect(self):
@@ -579,7 +581,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         _check_length(state, prompts, req.max_tokens, params.min_tokens)
         request_id = P.random_id("cmpl")
         gen = Generation(state, request_id, prompts, params, raw_request, arrival)
-        gen.start()
+        gen.start(every_step=bool(req.stream))
         created, n = P.now(), params.n
         if req.stream:
             return StreamingResponse(_stream_completion(state, gen, req, request_id, created),
@@ -634,7 +636,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         _check_length(state, [prompt], max_tokens, params.min_tokens)
         request_id = P.random_id("chatcmpl")
         gen = Generation(state, request_id, [prompt], params, raw_request, arrival)
-        gen.start()
+        gen.start(every_step=bool(req.stream))
         created = P.now()
         if req.stream:
             return StreamingResponse(_stream_chat(state, gen, req, request_id, created, top_k),

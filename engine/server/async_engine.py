@@ -4,7 +4,7 @@
 handlers (on an asyncio event loop) `submit` token ids and sampling params with a sink — an
 asyncio.Queue and the loop it belongs to — and `abort` ids; the loop picks these commands up at
 the start of its next iteration, so new requests join the running batch at the next step. Each
-step's outputs are handed to the sinks with one `call_soon_threadsafe` per event loop.
+step's outputs are handed to the sinks with one `call_soon_threadsafe` per event loop (not per request).
 
 The loop also times itself: the wall time of iterations that had work, and within it the time
 in model execution, in sampling and in per-token postprocessing (detokenization, stop strings),
@@ -56,6 +56,7 @@ class AsyncEngine:
         self._commands = queue.SimpleQueue()
         self._adds_submitted = self._adds_taken = 0  # each written by one thread only (the caller's, the loop's)
         self._sinks = {}  # request_id -> Sink, touched only on the loop thread
+        self._first_and_last = {}  # request_id -> first token delivered, for requests submitted every_step=False
         self._thread = None
         self._stop = threading.Event()
         self.steps = 0
@@ -93,9 +94,12 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, request_id, prompt_token_ids, params, sink: Sink, priority=0):
+    def submit(self, request_id, prompt_token_ids, params, sink: Sink, priority=0, every_step=True):
+        """every_step=False (a non-streamed answer): deliver only the request's first output with a token (its
+        time to first token) and its last. Each delivery wakes the handlers' event loop, whose thread then
+        competes with the engine loop for the interpreter lock."""
         self._adds_submitted += 1
-        self._commands.put(("add", request_id, prompt_token_ids, params, sink, priority))
+        self._commands.put(("add", request_id, prompt_token_ids, params, sink, priority, every_step))
 
     def abort(self, request_id):
         self._commands.put(("abort", request_id))
@@ -153,42 +157,64 @@ class AsyncEngine:
     def _handle(self, cmd):
         if cmd[0] == "add":
             self._adds_taken += 1
-            _, request_id, token_ids, params, sink, priority = cmd
+            _, request_id, token_ids, params, sink, priority, every_step = cmd
             try:
                 self.engine.add_request(request_id, token_ids, params, priority)
             except Exception as e:  # validated by the handler already; report anything left over
                 self._send(sink, [(request_id, e)])
                 return
             self._sinks[request_id] = sink
+            if not every_step:
+                self._first_and_last[request_id] = False  # True once its first token is delivered
         else:
             _, request_id = cmd
             self.engine.abort(request_id)  # frees its KV blocks now
-            self._sinks.pop(request_id, None)
+            self._forget(request_id)
 
     def _deliver(self, outputs):
         by_sink = {}
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
+            rid = out.request_id
+            sink = self._sinks.get(rid)
             if sink is None:
                 continue
             if out.finished:
-                del self._sinks[out.request_id]
-            by_sink.setdefault(id(sink), (sink, []))[1].append((out.request_id, out))
-        for sink, items in by_sink.values():
-            self._send(sink, items)
+                self._forget(rid)
+            elif rid in self._first_and_last:
+                if self._first_and_last[rid] or not any(c.token_ids for c in out.outputs):
+                    continue
+                self._first_and_last[rid] = True
+            by_sink.setdefault(id(sink), (sink, []))[1].append((rid, out))
+        self._send_all(list(by_sink.values()))
 
     def _send(self, sink, items):
-        try:
-            sink.loop.call_soon_threadsafe(_put_all, sink.queue, items)
-        except RuntimeError:  # the handler's event loop is closed: nobody is listening
-            for request_id, _ in items:
-                self.engine.abort(request_id)
-                self._sinks.pop(request_id, None)
+        self._send_all([(sink, items)])
+
+    def _send_all(self, deliveries):
+        """Hand [(sink, items)] to their event loops: one call_soon_threadsafe per loop, not per request. Each call
+        wakes that loop's thread through its self-pipe, and a woken thread competes with this one for the
+        interpreter lock while the step's kernels are being launched."""
+        by_loop = {}
+        for sink, items in deliveries:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, items))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_batch, batch)
+            except RuntimeError:  # the handlers' event loop is closed: nobody is listening
+                for _, items in batch:
+                    for request_id, _ in items:
+                        self.engine.abort(request_id)
+                        self._forget(request_id)
+
+    def _forget(self, request_id):
+        self._sinks.pop(request_id, None)
+        self._first_and_last.pop(request_id, None)
 
     def _fail_all(self, error):
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
         sinks, self._sinks = self._sinks, {}
+        self._first_and_last.clear()
         for request_id, sink in sinks.items():
             self._send(sink, [(request_id, error)])
 
@@ -217,6 +243,7 @@ class AsyncEngine:
         }
 
 
-def _put_all(q, items):
-    for item in items:
-        q.put_nowait(item)
+def _put_batch(batch):
+    for q, items in batch:
+        for item in items:
+            q.put_nowait(item)
