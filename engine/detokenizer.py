@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_string = None  # the stop string that ended the text, once stopped
         self._pending = ""  # decoded, not yet released: could be the start of a stop string
+        self._unchecked = 0  # how much of _pending came before stop strings were looked for (min_tokens)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
         if self._decode(self._ids).endswith(_REPLACEMENT):
             # The prompt ends inside a character: its continuation belongs to neither side.
@@ -62,11 +63,14 @@ class IncrementalDetokenizer:
 
     def _release(self, delta: str, final: bool, check_stop: bool) -> str:
         buf = self._pending + delta
-        if not self.stop or not check_stop:
+        if not self.stop:
             self.text += buf
             self._pending = ""
             return buf
-        found = [(i, s) for i, s in ((buf.find(s), s) for s in self.stop) if i >= 0]
+        # vLLM's rule: an occurrence counts if it ends in text that came once stop strings are looked for, even if
+        # it starts in text that came before (the first min_tokens tokens'). So that text, too, is held back
+        # while it could start a stop string.
+        found = [(i, s) for i, s in ((self._find(buf, s), s) for s in self.stop) if i >= 0] if check_stop else []
         # the earliest occurrence; of stop strings starting there, the shortest (complete first, whatever the
         # chunking of the tokens)
         cut, stop_string = min(found, key=lambda f: (f[0], len(f[1])), default=(None, None))
@@ -86,13 +90,17 @@ class IncrementalDetokenizer:
             self.stop_string = stop_string
         else:
             out, self._pending = buf[:hold], buf[hold:]
+            self._unchecked = len(self._pending) if not check_stop else max(0, self._unchecked - hold)
         self.text += out
         return out
 
+    def _find(self, buf: str, stop: str) -> int:
+        """The first occurrence of stop in buf that ends past the unchecked text, or -1."""
+        return buf.find(stop, max(0, self._unchecked - len(stop) + 1))
+
     def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str:
-        """Append newly generated tokens; returns the newly released text (may be ""). check_stop=False (before a
-        request's min_tokens) releases the text as it is, held-back text included, without looking for stop
-        strings; they are looked for in what comes after."""
+        """Append newly generated tokens; returns the newly released text (may be ""). check_stop=False (the first
+        min_tokens tokens) looks for no stop string; one found later may start in that text, as in vLLM."""
         if self.stopped:
             return ""
         self._ids.extend(token_ids)

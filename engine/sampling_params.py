@@ -40,8 +40,9 @@ class SamplingParams:
     once per occurrence there, and a token in the prompt or the output has a positive logit divided by
     ``repetition_penalty`` and a negative one multiplied by it (HF transformers' rule). ``logit_bias``
     ({token id: bias in [-100, 100]}) is added to the logits first. Until ``min_tokens`` tokens are generated,
-    the end-of-sequence and ``stop_token_ids`` tokens cannot be sampled and stop strings are not looked for
-    (they are looked for in the text that follows).
+    the end-of-sequence and ``stop_token_ids`` tokens cannot be sampled and stop strings are not looked for;
+    after that, as in vLLM, a stop string counts if it ends in the text that follows, even where it starts
+    before.
     """
 
     n: int = 1

@@ -190,3 +190,27 @@ def test_property_released_text_is_full_text_cut_at_first_stop(tok, text, stops,
     # start before it any more
     first = min(((full.find(s), len(s)) for s in stops if s in full), default=None)
     assert joined == kept.text == (full[:first[0] + first[1]] if first else full)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(ALPHABET, max_size=24),
+       stops=st.lists(st.text(ALPHABET[:3], min_size=1, max_size=4), min_size=1, max_size=3),
+       data=st.data())
+def test_property_stop_strings_after_min_tokens(tok, text, stops, data):
+    """vLLM's min_tokens rule: stop strings are looked for once more than min_tokens tokens are out, and an
+    occurrence counts if it ends in the text that came after; it may start in the text that came before."""
+    ids = enc(tok, text)
+    full = tok.decode(ids)
+    m = data.draw(st.integers(0, len(ids)))
+    # the text out when stop strings are first looked for: a token's text waits while it ends mid-character
+    boundary = len(next(t for t in (tok.decode(ids[:j]) for j in range(m, -1, -1)) if not t.endswith(FFFD)))
+    hits = [(i, len(s)) for s in stops for i in range(len(full)) if full.startswith(s, i) and i + len(s) > boundary]
+    first = min(hits, default=None)
+    for include_stop in (False, True):
+        det = IncrementalDetokenizer(tok, enc(tok, "prompt"), stop=stops, include_stop=include_stop)
+        deltas = [det.add_tokens([t], check_stop=k + 1 > m) for k, t in enumerate(ids)]  # one token a step
+        deltas.append(det.finish(check_stop=len(ids) > m))
+        want = full if first is None else full[:first[0] + (first[1] if include_stop else 0)]
+        assert "".join(deltas) == det.text == want, (m, boundary)
+        assert det.stopped == (first is not None)
