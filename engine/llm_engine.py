@@ -275,7 +275,7 @@ class LLMEngine:
         params = [s.params for s in seqs]
         if not any(p.adjusts_logits for p in params):
             return logits
-        before = [len(s.output_token_ids) + (in_flight is not None) for s in seqs]
+        before = [s.num_output_tokens + (in_flight is not None) for s in seqs]
         banned = [self._stop_tokens(p) if n < p.min_tokens else () for p, n in zip(params, before)]
         return adjust_logits(logits, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs],
                              banned, in_flight)
@@ -302,7 +302,7 @@ class LLMEngine:
     def _ends_by_length(self, seq) -> bool:
         """Whether the token being sampled for seq now is its last (max_tokens or max_model_len)."""
         max_tokens = seq.params.max_tokens or self.max_model_len
-        return len(seq.output_token_ids) + 1 >= max_tokens or seq.num_tokens + 1 >= self.max_model_len
+        return seq.num_output_tokens + 1 >= max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Bring the step's tokens to the host, append them, register computed blocks, check stops."""
@@ -359,7 +359,7 @@ class LLMEngine:
         """Detokenize the new token and finish the sequence if a stop condition holds."""
         params, detok = seq.params, seq.detokenizer
         delta = ""
-        check_stop = len(seq.output_token_ids) > params.min_tokens  # vLLM's: not in the first min_tokens' text
+        check_stop = seq.num_output_tokens > params.min_tokens  # vLLM's: not in the first min_tokens' text
         if not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"  # a stop token stays in token_ids but never reaches the text
         elif token in params.stop_token_ids:
@@ -368,7 +368,7 @@ class LLMEngine:
             delta = detok.add_tokens([token], check_stop)
             if detok.stopped:
                 seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
-            elif len(seq.output_token_ids) >= (params.max_tokens or self.max_model_len):
+            elif seq.num_output_tokens >= (params.max_tokens or self.max_model_len):
                 seq.finish_reason = "length"
             elif seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -385,7 +385,7 @@ class LLMEngine:
             CompletionOutput(
                 index=s.index,
                 text=s.detokenizer.text,
-                token_ids=list(s.output_token_ids),
+                token_ids=s.output_token_ids,  # already a copy
                 cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
                 logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,

@@ -52,7 +52,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy: O(length). For the count, num_output_tokens."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
