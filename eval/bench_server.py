@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import queue
 import sys
 import time
 
@@ -85,7 +86,12 @@ def run_client(url, model, requests, concurrency, stream):
     proc = ctx.Process(target=_client_process, args=(url, model, requests, concurrency, stream, results))
     proc.start()
     try:
-        return results.get()
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                if not proc.is_alive():  # it died before answering (its traceback is on stderr)
+                    raise RuntimeError(f"the client process ended (exit code {proc.exitcode}) without results")
     finally:
         proc.join()
 

@@ -43,3 +43,8 @@ def test_a_request_that_fails_fails_the_run(monkeypatch):
     with pytest.raises(RuntimeError, match="1 failed"):
         bench_server.bench_server("llama-tiny", 4, 2, False, "8:16", "2:3", device="cpu", dtype="float32",
                                   kv_cache_memory_gb=0.05, **bench_server.ENGINE_OPTIONS)
+
+
+def test_a_client_that_dies_fails_the_run_instead_of_hanging_it():
+    with pytest.raises(RuntimeError, match="ended .exit code 1. without results"):
+        bench_server.run_client("http://127.0.0.1:9", "m", [("not a request",)], 1, False)  # the child cannot unpack

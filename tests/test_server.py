@@ -678,8 +678,13 @@ def test_a_non_streamed_request_is_delivered_at_its_first_token_and_its_end():
     from eightbit.engine.server.async_engine import AsyncEngine, Sink
 
     class Loop:
+        closed = False
+
         def call_soon_threadsafe(self, fn, *args):
             fn(*args)
+
+        def is_closed(self):
+            return self.closed
 
     class Queue(list):
         put_nowait = list.append
@@ -698,6 +703,17 @@ def test_a_non_streamed_request_is_delivered_at_its_first_token_and_its_end():
     assert [(len(o.outputs[0].token_ids), o.finished) for _, o in answered.queue] == [(1, False), (7, True)]
     assert answered.queue[-1][1].outputs[0].token_ids == streamed.queue[-1][1].outputs[0].token_ids
     assert looper._sinks == {} and looper._first_and_last == {}
+
+    # a handler's event loop closed after the first token: the request is aborted at the next step, though
+    # nothing is delivered to that loop until the end
+    gone = Sink(Loop(), Queue())
+    looper.submit("g", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), gone, every_step=False)
+    looper._drain()
+    while not gone.queue:
+        looper._deliver(engine.step())
+    gone.loop.closed = True
+    looper._deliver(engine.step())
+    assert "g" not in engine.requests and looper._sinks == {} and looper._first_and_last == {}
 
 
 def test_streamed_logprob_offsets_equal_the_unstreamed_ones(client):

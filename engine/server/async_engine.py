@@ -182,6 +182,9 @@ class AsyncEngine:
                 self._forget(rid)
             elif rid in self._first_and_last:
                 if self._first_and_last[rid] or not any(c.token_ids for c in out.outputs):
+                    if sink.loop.is_closed():  # nobody listens; a delivery would have found out (_send_all)
+                        self.engine.abort(rid)
+                        self._forget(rid)
                     continue
                 self._first_and_last[rid] = True
             by_sink.setdefault(id(sink), (sink, []))[1].append((rid, out))
