@@ -277,8 +277,8 @@ class LLMEngine:
             return logits
         before = [s.num_output_tokens + (in_flight is not None) for s in seqs]
         banned = [self._stop_tokens(p) if n < p.min_tokens else () for p, n in zip(params, before)]
-        return adjust_logits(logits, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs],
-                             banned, in_flight)
+        histories = [s.token_tensor() if p.penalized else s.token_ids for s, p in zip(seqs, params)]
+        return adjust_logits(logits, params, histories, [s.num_prompt_tokens for s in seqs], banned, in_flight)
 
     def _stop_tokens(self, params) -> list[int]:
         """The tokens that would end a sequence of these params (not sampled before its min_tokens)."""

@@ -75,8 +75,10 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_
     frequency and repetition penalties. A new float32 tensor; ``logits`` is left untouched (the log-probs report
     the raw values). token_ids[i] is row i's prompt followed by its output so far (the first num_prompt_tokens[i]
     are the prompt); in_flight ([B] on the device, or None) holds each row's last output token where the host
-    has not seen it yet (an async continuation). The penalties' token counts are built from the host's ids each
-    step (O(tokens) on the host, a [rows, V] tensor on the device), for the rows that ask for them only.
+    has not seen it yet (an async continuation); each row of token_ids may be a list or an int64 CPU tensor (the
+    engine passes Sequence.token_tensor(), converted once per token). The penalties' token counts are built from
+    those ids each step (O(tokens) tensor work on the host, a [rows, V] tensor on the device), for the rows that
+    ask for them only.
     Nothing here makes the host wait for the GPU: every index and value goes up through pinned memory (transfer.py), and constants are
     written from device tensors (a Python scalar written at indices is a pageable copy, which waits)."""
     out, device = logits.float().clone(), logits.device
@@ -102,7 +104,7 @@ def _apply_penalties(out: torch.Tensor, params, token_ids, num_prompt_tokens, in
     """In place on the float32 logits `out`: presence, frequency and repetition penalties (SamplingParams)."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     device, vocab = out.device, out.shape[1]
-    histories = [torch.tensor(token_ids[i], dtype=torch.int64) for i in rows]  # one C-level conversion per row
+    histories = [torch.as_tensor(token_ids[i], dtype=torch.int64) for i in rows]  # int64 tensors are not copied
     lengths = torch.tensor([len(h) for h in histories])
     prompts = torch.tensor([num_prompt_tokens[i] for i in rows])
     seen_id = torch.cat(histories)

@@ -3,6 +3,8 @@
 import itertools
 from enum import Enum, auto
 
+import torch
+
 _seq_ids = itertools.count()
 _arrivals = itertools.count()
 
@@ -37,6 +39,8 @@ class Sequence:
         self.logprobs = []  # per output token: {token_id: logprob}, when asked for
         self.cumulative_logprob = 0.0
         self.detokenizer = None
+        self._token_tensor = None  # token_ids as int64, filled up to _token_tensor_len (token_tensor())
+        self._token_tensor_len = 0
 
     @property
     def params(self):
@@ -58,6 +62,20 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def token_tensor(self) -> torch.Tensor:
+        """token_ids as an int64 CPU tensor, converting only the tokens appended since the last call (token_ids
+        only grows): the penalties read every penalized sequence's whole history at every step."""
+        n, have = len(self.token_ids), self._token_tensor_len
+        if self._token_tensor is None or n > len(self._token_tensor):
+            grown = torch.empty(max(2 * n, 64), dtype=torch.int64)
+            if have:
+                grown[:have] = self._token_tensor[:have]
+            self._token_tensor = grown
+        if have < n:
+            self._token_tensor[have:n] = torch.tensor(self.token_ids[have:n], dtype=torch.int64)
+            self._token_tensor_len = n
+        return self._token_tensor[:n]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -291,3 +291,27 @@ def test_a_token_in_flight_counts_like_one_the_host_has():
     got = adjust_logits(logits, params, history, [2, 1, 1], [[], [], [4]], in_flight)
     want = adjust_logits(logits, params, [h + [int(t)] for h, t in zip(history, in_flight)], [2, 1, 1], [[], [], [4]])
     assert torch.equal(got, want)
+
+
+def test_a_sequence_s_token_tensor_converts_each_token_once(monkeypatch):
+    """The penalties read every penalized sequence's whole history at every step: Sequence.token_tensor() keeps
+    an int64 copy and converts only what was appended since (O(1) Python work per token, not O(length) per
+    step). Equal to the list at every length, across its buffer's growth and in a fork."""
+    import eightbit.engine.sequence as sequence_module
+    from eightbit.engine.sequence import Request
+
+    converted = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(sequence_module.torch, "tensor",
+                        lambda data, **kw: converted.append(len(data)) or real_tensor(data, **kw))
+    seq = Request("r", None, list(range(40)), SamplingParams()).seqs[0]
+    for step in range(300):
+        seq.token_ids.append(step * 7 % 1000)
+        if step % 3 == 0:  # not every step reads it
+            assert torch.equal(seq.token_tensor(), real_tensor(seq.token_ids))
+    assert torch.equal(seq.token_tensor(), real_tensor(seq.token_ids))
+    assert sum(converted) == len(seq.token_ids)  # each token converted once
+    child = seq.fork(1)
+    child.token_ids.append(5)
+    assert torch.equal(child.token_tensor(), real_tensor(seq.token_ids + [5]))
+    assert torch.equal(seq.token_tensor(), real_tensor(seq.token_ids))  # the parent's copy is its own
