@@ -142,15 +142,19 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt, sampling_params=None, priority=0, final_only=False):
+    def add_request(self, request_id, prompt, sampling_params=None, priority=0, final_only=False, delta=False):
         """Queue a prompt (text, token ids, or vLLM's {"prompt"} / {"prompt_token_ids"} dict). Invalid input raises
-        and changes nothing. final_only: `step()` reports the request only when it finishes (all `generate`
-        needs), instead of copying every sample's tokens and log-probs so far into an output at every step."""
+        and changes nothing. By default `step()` reports the request at every step with each sample's tokens and
+        log-probs so far: O(length) a step. final_only: only when it finishes (all `generate` needs). delta: at
+        every step, each sample's tokens and log-probs since the request's previous output (vLLM's DELTA
+        outputs; `text` stays cumulative, `delta` is the new text), O(new tokens) a step, for streaming."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if final_only and delta:
+            raise ValueError("final_only and delta exclude each other: a final-only request has one output")
         params = SamplingParams() if sampling_params is None else sampling_params
         text, token_ids = self.check_request(prompt, params, priority)
-        request = Request(request_id, text, token_ids, params, priority, time.monotonic(), final_only)
+        request = Request(request_id, text, token_ids, params, priority, time.monotonic(), final_only, delta)
         self._init_sequence(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -381,19 +385,20 @@ class LLMEngine:
         return delta
 
     def _output(self, request, deltas) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
+        outputs = []
+        for s in request.seqs:
+            first = s.num_reported if request.delta else 0  # the tokens this output carries start here
+            s.num_reported = s.num_output_tokens
+            outputs.append(CompletionOutput(
                 index=s.index,
                 text=s.detokenizer.text,
-                token_ids=s.output_token_ids,  # already a copy
+                token_ids=s.token_ids[s.num_prompt_tokens + first:],
                 cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                logprobs=s.logprobs[first:] if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
                 delta=deltas.get(s, ""),
-            )
-            for s in request.seqs
-        ]
+            ))
         finished = request.is_finished
         if finished:
             self.requests.pop(request.request_id, None)

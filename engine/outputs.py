@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     index: int
     text: str  # all text released so far (final text once finished)
-    token_ids: list
+    token_ids: list  # all so far; for a request added with delta=True, those since its previous output
     cumulative_logprob: float | None = None
-    logprobs: list | None = None  # per token {token_id: logprob}, when asked for
+    logprobs: list | None = None  # per token of token_ids {token_id: logprob}, when asked for
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: object = None  # the stop string or stop token id, if one ended it
     delta: str = ""  # text released by the step that produced this output

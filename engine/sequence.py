@@ -37,6 +37,7 @@ class Sequence:
         self.stop_reason = None  # the stop string or stop token id that ended it
         self.generator = None  # torch.Generator of a seeded request
         self.logprobs = []  # per output token: {token_id: logprob}, when asked for
+        self.num_reported = 0  # output tokens reported so far (a delta request's next output starts after them)
         self.cumulative_logprob = 0.0
         self.detokenizer = None
         self._token_tensor = None  # token_ids as int64, filled up to _token_tensor_len (token_tensor())
@@ -91,6 +92,7 @@ class Sequence:
         child = Sequence(self.request, self.token_ids, index)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_reported = self.num_reported
         child.arrival = self.arrival
         return child
 
@@ -106,9 +108,11 @@ class Request:
     sequences that share the prompt's KV blocks (copy-on-write).
     """
 
-    def __init__(self, request_id, prompt, prompt_token_ids, params, priority=0, arrival_time=0.0, final_only=False):
+    def __init__(self, request_id, prompt, prompt_token_ids, params, priority=0, arrival_time=0.0, final_only=False,
+                 delta=False):
         self.request_id = request_id
         self.final_only = final_only  # reported by step() only when finished (LLMEngine.add_request)
+        self.delta = delta  # each output holds only what is new since the previous one (LLMEngine.add_request)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

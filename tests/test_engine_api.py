@@ -102,6 +102,35 @@ def test_generate_builds_only_final_outputs(llm):
     assert seen.count(("every", False)) == 4 and seen.count(("every", True)) == 1  # one output a token
 
 
+def test_delta_outputs_join_to_the_cumulative_ones(llm):
+    """delta=True (what the server streams from): each output holds only the tokens and log-probs new since the
+    request's previous one, so a step costs O(new tokens) however long the output; joined, they are the
+    cumulative request's, sample by sample (n = 2, seeded, with log-probs)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=7, logprobs=2)
+    engine.add_request("whole", PROMPTS[2], params)
+    engine.add_request("parts", PROMPTS[2], params, delta=True)
+    last, parts = {}, {0: ([], []), 1: ([], [])}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                if out.request_id == "whole":
+                    last[c.index] = c
+                else:
+                    parts[c.index][0].extend(c.token_ids)
+                    parts[c.index][1].extend(c.logprobs)
+                    assert len(c.token_ids) <= 1  # one step, at most one new token per sample
+    for i, c in last.items():  # the two requests share steps: their log-probs agree to float32 rounding
+        ids, logprobs = parts[i]
+        assert c.token_ids == ids and len(ids) == 7
+        assert [d.keys() for d in c.logprobs] == [d.keys() for d in logprobs]
+        assert [v for d in c.logprobs for v in d.values()] == pytest.approx([v for d in logprobs for v in d.values()],
+                                                                            abs=1e-4)
+    with pytest.raises(ValueError, match="exclude each other"):
+        engine.add_request("both", PROMPTS[0], params, final_only=True, delta=True)
+    assert "both" not in engine.requests
+
+
 def test_stop_token_ids_and_length(llm):
     free = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 8

@@ -168,6 +168,8 @@ class Generation:
         self.unfinished = set(self.ids)
         self.queued = set(self.ids)  # counted in state.num_queued until their first token
         self.first_token_time = {}
+        self.token_counts = {}  # request id -> {choice index: tokens generated so far}
+        self.delta = True  # outputs hold only what is new since the previous one (set by start)
         self.closed = False
         self.watcher = None
 
@@ -179,6 +181,7 @@ class Generation:
         """Submit the engine requests. every_step=False for a non-streamed answer: the handler then hears of each
         request only at its first token (for the queue count and the TTFT metric) and when it finishes."""
         state = self.state
+        self.delta = every_step
         if not state.engine.alive:
             raise APIError("the engine loop is not running", status=503, type="server_error", code="engine_dead")
         if state.max_queue is not None and len(self.ids) > state.max_queue:
@@ -241,16 +244,23 @@ class Generation:
         finally:
             self.close()
 
+    def num_tokens(self, rid, index) -> int:
+        """Tokens generated so far by choice `index` of engine request `rid`."""
+        return self.token_counts.get(rid, {}).get(index, 0)
+
     def _account(self, rid, out):
         t = time.monotonic()
-        if rid not in self.first_token_time and any(c.token_ids for c in out.outputs):
+        counts = self.token_counts.setdefault(rid, {})
+        for c in out.outputs:
+            counts[c.index] = len(c.token_ids) + (counts.get(c.index, 0) if self.delta else 0)
+        if rid not in self.first_token_time and any(counts.values()):
             self.first_token_time[rid] = t
             self._dequeue(rid)
         if out.finished:
             self.unfinished.discard(rid)
             self._dequeue(rid)
             first = self.first_token_time.get(rid)
-            num = max((len(c.token_ids) for c in out.outputs), default=0)
+            num = max(counts.values(), default=0)
             tpot = (t - first) / (num - 1) if first is not None and num > 1 else None
             self.state.metrics.observe_request(
                 None if first is None else first - self.arrival, tpot, t - self.arrival,
@@ -686,27 +696,34 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
+def _unsent(unsent: dict, key, c) -> tuple[list, list]:
+    """The tokens and log-probs of choice `key` not yet sent, with this (delta) output's appended."""
+    ids, lps = unsent.setdefault(key, ([], []))
+    ids += c.token_ids
+    lps += c.logprobs or []
+    return ids, lps
+
+
 async def _stream_completion(state, gen: Generation, req, request_id, created):
     n, k = gen.params.n, req.logprobs
-    sent_tokens, token_offset, done = {}, {}, set()
+    unsent, token_offset, done = {}, {}, set()
     completion_tokens = 0
     try:
         async for i, out in gen.results():
             for c in out.outputs:
                 key = (i, c.index)
-                textless_token = not state.has_tokenizer and len(c.token_ids) > sent_tokens.get(key, 0)
-                if key in done or not (c.delta or c.finish_reason or textless_token):
-                    continue  # text held back (a partial character or stop string): wait
-                start = sent_tokens.get(key, 0)
-                sent_tokens[key] = len(c.token_ids)
+                ids, lps = _unsent(unsent, key, c)
+                if key in done or not (c.delta or c.finish_reason or (ids and not state.has_tokenizer)):
+                    continue  # text held back (a partial character or stop string): its tokens wait too
+                del unsent[key]
                 lp = None
                 if k is not None:
                     offset = token_offset.get(key, 0)  # running over the tokens' texts, as without streaming
-                    lp = _completion_logprobs(state, c.token_ids[start:], c.logprobs[start:], k, offset)
+                    lp = _completion_logprobs(state, ids, lps, k, offset)
                     token_offset[key] = offset + sum(len(t) for t in lp.tokens)
                 if c.finish_reason:
                     done.add(key)
-                    completion_tokens += len(c.token_ids)
+                    completion_tokens += gen.num_tokens(gen.ids[i], c.index)
                 choice = P.CompletionChoice(index=i * n + c.index, text=c.delta, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=_stop_reason(c))
                 yield _sse(P.CompletionResponse(id=request_id, created=created, model=state.model_name,
@@ -723,7 +740,7 @@ async def _stream_completion(state, gen: Generation, req, request_id, created):
 
 async def _stream_chat(state, gen: Generation, req, request_id, created, k):
     n = gen.params.n
-    sent_tokens, done = {}, set()
+    unsent, done = {}, set()
     completion_tokens = 0
 
     def chunk(choices, usage=None):
@@ -735,16 +752,16 @@ async def _stream_chat(state, gen: Generation, req, request_id, created, k):
                      for i in range(n)])
         async for _, out in gen.results():
             for c in out.outputs:
+                ids, lps = _unsent(unsent, c.index, c)
                 if c.index in done or not (c.delta or c.finish_reason):
-                    continue
-                start = sent_tokens.get(c.index, 0)
-                sent_tokens[c.index] = len(c.token_ids)
+                    continue  # text held back: its tokens wait too
+                del unsent[c.index]
                 lp = None
                 if k is not None:
-                    lp = _chat_logprobs(state, c.token_ids[start:], c.logprobs[start:], k)
+                    lp = _chat_logprobs(state, ids, lps, k)
                 if c.finish_reason:
                     done.add(c.index)
-                    completion_tokens += len(c.token_ids)
+                    completion_tokens += gen.num_tokens(gen.ids[0], c.index)
                 delta = P.DeltaMessage(content=c.delta) if c.delta else P.DeltaMessage()
                 yield chunk([P.ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
                                                finish_reason=c.finish_reason)])

@@ -95,9 +95,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, request_id, prompt_token_ids, params, sink: Sink, priority=0, every_step=True):
-        """every_step=False (a non-streamed answer): deliver only the request's first output with a token (its
-        time to first token) and its last. Each delivery wakes the handlers' event loop, whose thread then
-        competes with the engine loop for the interpreter lock."""
+        """every_step=True (a stream): deliver every step's output, each holding only the tokens and log-probs new
+        since the previous one (LLMEngine.add_request's delta). every_step=False (a non-streamed answer): deliver
+        only the request's first output with a token (its time to first token) and its last, both cumulative.
+        Each delivery wakes the handlers' event loop, whose thread then competes with the engine loop for the
+        interpreter lock."""
         self._adds_submitted += 1
         self._commands.put(("add", request_id, prompt_token_ids, params, sink, priority, every_step))
 
@@ -159,7 +161,8 @@ class AsyncEngine:
             self._adds_taken += 1
             _, request_id, token_ids, params, sink, priority, every_step = cmd
             try:
-                self.engine.add_request(request_id, token_ids, params, priority)
+                # a streamed request's outputs hold only what is new (O(new tokens) a step, not O(length))
+                self.engine.add_request(request_id, token_ids, params, priority, delta=every_step)
             except Exception as e:  # validated by the handler already; report anything left over
                 self._send(sink, [(request_id, e)])
                 return
