@@ -48,6 +48,7 @@ def test_a_stream_sends_a_chunk_per_token(server):
     """No text is ever held back without a tokenizer, so each token is a chunk (load tests count them)."""
     body = {"model": model_id(server), "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    tpots = tpot_count(server)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
@@ -57,6 +58,13 @@ def test_a_stream_sends_a_chunk_per_token(server):
     assert len(with_choices) == 5
     assert [c["choices"][0]["finish_reason"] for c in with_choices] == [None] * 4 + ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert tpot_count(server) == tpots + 1  # the stream's outputs are deltas: its 5 tokens are counted, not its last 1
+
+
+def tpot_count(server) -> float:
+    metrics = httpx.get(server.url + "/metrics").text
+    return float(next(line.split()[-1] for line in metrics.splitlines()
+                      if line.startswith("eightbit_time_per_output_token_seconds_count")))
 
 
 @pytest.mark.parametrize("path, extra, param", [
