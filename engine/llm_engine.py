@@ -392,7 +392,7 @@ class LLMEngine:
             outputs.append(CompletionOutput(
                 index=s.index,
                 text=s.detokenizer.text,
-                token_ids=s.token_ids[s.num_prompt_tokens + first:],
+                token_ids=s.output_tokens_from(first),
                 cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
                 logprobs=s.logprobs[first:] if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,

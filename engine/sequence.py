@@ -58,7 +58,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         """A copy: O(length). For the count, num_output_tokens."""
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.output_tokens_from(0)
+
+    def output_tokens_from(self, first: int) -> list[int]:
+        """A copy of the output tokens from the first-th on: what an output (or a delta output) carries."""
+        return self.token_ids[self.num_prompt_tokens + first :]
 
     @property
     def num_output_tokens(self) -> int:

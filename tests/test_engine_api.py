@@ -504,8 +504,8 @@ def test_a_step_copies_no_sequence_s_tokens(llm, monkeypatch):
     from eightbit.engine.sequence import Sequence
 
     copies = []
-    real = Sequence.output_token_ids
-    monkeypatch.setattr(Sequence, "output_token_ids", property(lambda s: copies.append(s.seq_id) or real.fget(s)))
+    real = Sequence.output_tokens_from  # every copy of a sequence's output tokens goes through it
+    monkeypatch.setattr(Sequence, "output_tokens_from", lambda s, first: copies.append(s.seq_id) or real(s, first))
     params = [SamplingParams(temperature=0, max_tokens=12, min_tokens=3, stop=["zzz"]),
               SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=9, ignore_eos=True, presence_penalty=0.5)]
     outs = llm.generate(["The sea is", "1, 2, 3,"], params, use_tqdm=False)
