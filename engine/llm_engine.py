@@ -142,19 +142,24 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt, sampling_params=None, priority=0, final_only=False, delta=False):
+    def add_request(self, request_id, prompt, sampling_params=None, priority=0, final_only=False, delta=False,
+                    first_token_output=False):
         """Queue a prompt (text, token ids, or vLLM's {"prompt"} / {"prompt_token_ids"} dict). Invalid input raises
         and changes nothing. By default `step()` reports the request at every step with each sample's tokens and
-        log-probs so far: O(length) a step. final_only: only when it finishes (all `generate` needs). delta: at
+        log-probs so far: O(length) a step. final_only: only when it finishes (all `generate` needs); with
+        first_token_output, also at its first token (a server's queue count and time to first token). delta: at
         every step, each sample's tokens and log-probs since the request's previous output (vLLM's DELTA
         outputs; `text` stays cumulative, `delta` is the new text), O(new tokens) a step, for streaming."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if final_only and delta:
             raise ValueError("final_only and delta exclude each other: a final-only request has one output")
+        if first_token_output and not final_only:
+            raise ValueError("first_token_output goes with final_only: other requests are reported at every step")
         params = SamplingParams() if sampling_params is None else sampling_params
         text, token_ids = self.check_request(prompt, params, priority)
-        request = Request(request_id, text, token_ids, params, priority, time.monotonic(), final_only, delta)
+        request = Request(request_id, text, token_ids, params, priority, time.monotonic(), final_only, delta,
+                          first_token_output)
         self._init_sequence(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -321,19 +326,21 @@ class LLMEngine:
         for seq, _ in launched.scheduled:  # after the append: a continuation in flight counts as computed
             if not seq.is_finished:
                 self.block_manager.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        deltas = {}
+        deltas, started = {}, set()
         now = time.monotonic()
         for i, seq in live:
             token = tokens[i]
             self.num_generated_tokens += 1
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
+                started.add(seq.request.request_id)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(logprob_dicts[i])
                 seq.cumulative_logprob += logprob_dicts[i][token]
             deltas[seq] = self._postprocess(seq, token)
         advanced = {s.request.request_id: s.request for s in deltas}.values()
-        return [self._output(r, deltas) for r in advanced if r.is_finished or not r.final_only]
+        return [self._output(r, deltas) for r in advanced
+                if r.is_finished or not r.final_only or (r.first_token_output and r.request_id in started)]
 
     def _tokens_to_host(self, launched: LaunchedStep) -> list[int]:
         """The step's sampled tokens as ints: where the host waits for the GPU to finish the step."""

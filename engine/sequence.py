@@ -113,10 +113,11 @@ class Request:
     """
 
     def __init__(self, request_id, prompt, prompt_token_ids, params, priority=0, arrival_time=0.0, final_only=False,
-                 delta=False):
+                 delta=False, first_token_output=False):
         self.request_id = request_id
         self.final_only = final_only  # reported by step() only when finished (LLMEngine.add_request)
         self.delta = delta  # each output holds only what is new since the previous one (LLMEngine.add_request)
+        self.first_token_output = first_token_output  # with final_only: also reported at its first token
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

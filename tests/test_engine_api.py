@@ -100,6 +100,15 @@ def test_generate_builds_only_final_outputs(llm):
         seen += [(o.request_id, o.finished) for o in engine.step()]
     assert seen.count(("final", True)) == 1 and ("final", False) not in seen
     assert seen.count(("every", False)) == 4 and seen.count(("every", True)) == 1  # one output a token
+    # a server's non-streamed request: also reported at its first token (its queue count and TTFT)
+    engine.add_request("ends", PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, n=2), final_only=True,
+                       first_token_output=True)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [(o.finished, [len(c.token_ids) for c in o.outputs]) for o in engine.step()]
+    assert seen == [(False, [1, 1]), (True, [5, 5])]
+    with pytest.raises(ValueError, match="goes with final_only"):
+        engine.add_request("every step anyway", PROMPTS[0], SamplingParams(max_tokens=2), first_token_output=True)
 
 
 def test_delta_outputs_join_to_the_cumulative_ones(llm):

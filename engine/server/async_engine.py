@@ -56,7 +56,6 @@ class AsyncEngine:
         self._commands = queue.SimpleQueue()
         self._adds_submitted = self._adds_taken = 0  # each written by one thread only (the caller's, the loop's)
         self._sinks = {}  # request_id -> Sink, touched only on the loop thread
-        self._first_and_last = {}  # request_id -> first token delivered, for requests submitted every_step=False
         self._thread = None
         self._stop = threading.Event()
         self.steps = 0
@@ -161,20 +160,24 @@ class AsyncEngine:
             self._adds_taken += 1
             _, request_id, token_ids, params, sink, priority, every_step = cmd
             try:
-                # a streamed request's outputs hold only what is new (O(new tokens) a step, not O(length))
-                self.engine.add_request(request_id, token_ids, params, priority, delta=every_step)
+                # a stream's outputs hold only what is new (O(new tokens) a step, not O(length)); a non-streamed
+                # request is reported at its first token and its end only
+                self.engine.add_request(request_id, token_ids, params, priority, delta=every_step,
+                                        final_only=not every_step, first_token_output=not every_step)
             except Exception as e:  # validated by the handler already; report anything left over
                 self._send(sink, [(request_id, e)])
                 return
             self._sinks[request_id] = sink
-            if not every_step:
-                self._first_and_last[request_id] = False  # True once its first token is delivered
         else:
             _, request_id = cmd
             self.engine.abort(request_id)  # frees its KV blocks now
             self._forget(request_id)
 
     def _deliver(self, outputs):
+        for rid in [rid for rid, sink in self._sinks.items() if sink.loop.is_closed()]:
+            # nobody listens: a non-streamed request would otherwise run on to its end before a delivery failed
+            self.engine.abort(rid)
+            self._forget(rid)
         by_sink = {}
         for out in outputs:
             rid = out.request_id
@@ -183,13 +186,6 @@ class AsyncEngine:
                 continue
             if out.finished:
                 self._forget(rid)
-            elif rid in self._first_and_last:
-                if self._first_and_last[rid] or not any(c.token_ids for c in out.outputs):
-                    if sink.loop.is_closed():  # nobody listens; a delivery would have found out (_send_all)
-                        self.engine.abort(rid)
-                        self._forget(rid)
-                    continue
-                self._first_and_last[rid] = True
             by_sink.setdefault(id(sink), (sink, []))[1].append((rid, out))
         self._send_all(list(by_sink.values()))
 
@@ -214,13 +210,11 @@ class AsyncEngine:
 
     def _forget(self, request_id):
         self._sinks.pop(request_id, None)
-        self._first_and_last.pop(request_id, None)
 
     def _fail_all(self, error):
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
         sinks, self._sinks = self._sinks, {}
-        self._first_and_last.clear()
         for request_id, sink in sinks.items():
             self._send(sink, [(request_id, error)])
 
