@@ -171,13 +171,13 @@ class AsyncEngine:
         else:
             _, request_id = cmd
             self.engine.abort(request_id)  # frees its KV blocks now
-            self._forget(request_id)
+            self._sinks.pop(request_id, None)
 
     def _deliver(self, outputs):
         for rid in [rid for rid, sink in self._sinks.items() if sink.loop.is_closed()]:
             # nobody listens: a non-streamed request would otherwise run on to its end before a delivery failed
             self.engine.abort(rid)
-            self._forget(rid)
+            self._sinks.pop(rid, None)
         by_sink = {}
         for out in outputs:
             rid = out.request_id
@@ -185,7 +185,7 @@ class AsyncEngine:
             if sink is None:
                 continue
             if out.finished:
-                self._forget(rid)
+                self._sinks.pop(rid, None)
             by_sink.setdefault(id(sink), (sink, []))[1].append((rid, out))
         self._send_all(list(by_sink.values()))
 
@@ -206,10 +206,7 @@ class AsyncEngine:
                 for _, items in batch:
                     for request_id, _ in items:
                         self.engine.abort(request_id)
-                        self._forget(request_id)
-
-    def _forget(self, request_id):
-        self._sinks.pop(request_id, None)
+                        self._sinks.pop(request_id, None)
 
     def _fail_all(self, error):
         for request_id in list(self.engine.requests):
