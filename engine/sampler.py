@@ -78,9 +78,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], token_
     has not seen it yet (an async continuation); each row of token_ids may be a list or an int64 CPU tensor (the
     engine passes Sequence.token_tensor(), converted once per token). The penalties' token counts are built from
     those ids each step (O(tokens) tensor work on the host, a [rows, V] tensor on the device), for the rows that
-    ask for them only.
-    Nothing here makes the host wait for the GPU: every index and value goes up through pinned memory (transfer.py), and constants are
-    written from device tensors (a Python scalar written at indices is a pageable copy, which waits)."""
+    ask for them only. Nothing here makes the host wait for the GPU: every index and value goes up through
+    pinned memory (transfer.py), and constants are written from device tensors (a Python scalar written at
+    indices is a pageable copy, which waits)."""
     out, device = logits.float().clone(), logits.device
     rows, ids, values = [], [], []
     for i, p in enumerate(params):

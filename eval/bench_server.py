@@ -113,13 +113,14 @@ def bench_server(model, num_requests, concurrency, stream, input_len, output_len
     # max_num_seqs = concurrency: the offline run batches at most as many requests as the client keeps in flight
     llm = build_llm(engine_options.pop("system", "eightbit-int8"), model, max_num_seqs=concurrency, **engine_options)
     engine = llm.engine
-    requests = [(r.prompt, r.output_len)
-                for r in make_requests(num_requests, input_len, output_len, engine.hf_config.vocab_size, seed)]
-    expected = sum(n for _, n in requests)
+    listed = make_requests(num_requests, input_len, output_len, engine.hf_config.vocab_size, seed)
+    requests = [(r.prompt, r.output_len) for r in listed]
+    prompts, output_lens = [r.prompt for r in listed], [r.output_len for r in listed]
+    expected = sum(output_lens)
     # The warm-up is the offline run itself, untimed: Triton compiles a kernel variant the first time a step's sizes
     # need it (seconds over a run like this one), and a shorter warm-up left the timed offline run paying for some.
-    run_requests(engine, [p for p, _ in requests], [n for _, n in requests])
-    offline = run_requests(engine, [p for p, _ in requests], [n for _, n in requests])
+    run_requests(engine, prompts, output_lens)
+    offline = run_requests(engine, prompts, output_lens)
     if offline["generated"] != expected:
         raise RuntimeError(f"offline: {offline['generated']} tokens generated, {expected} expected")
 
@@ -169,9 +170,11 @@ def summary_line(r) -> str:
 
 
 def main(argv=None) -> int:
+    from eightbit.eval.bench_engine import ENGINE_SYSTEMS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama-3-8b", help="a dummy shape (llama-3-8b, llama-3.2-1b, llama-tiny)")
-    p.add_argument("--system", default="eightbit-int8", help="eightbit-int8 or eightbit-bf16")
+    p.add_argument("--system", default="eightbit-int8", choices=sorted(ENGINE_SYSTEMS))
     p.add_argument("--num-requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--input-len", default="32:512")
