@@ -70,6 +70,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.kv_dtype, self.kv_group_size = self._kv_format(loaded.kv_group_size)
         self.runner = ModelRunner(self.model, config.block_size, config.device)
+        if self.on_cuda:
+            self.runner.compile_gemms(config.max_num_batched_tokens)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.block_manager = self.block_manager

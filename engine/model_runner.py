@@ -68,6 +68,26 @@ def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, group_size=Non
     return 2 * num_layers * num_kv_heads * head_dim * per_value
 
 
+def profile_prompts(num_tokens, max_model_len, block_size):
+    """(prompt lengths, KV blocks) of the profiled step: num_tokens split into prompts of at most max_model_len,
+    each with as many blocks as the longest needs."""
+    lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len] * bool(
+        num_tokens % max_model_len)
+    return lens, -(-max(lens) // block_size) * len(lens)
+
+
+def prefill_inputs(lens, blocks_per_seq, block_size):
+    """(input ids, positions, Context) of whole prompts of these lengths, each in its own blocks_per_seq blocks."""
+    positions = torch.cat([torch.arange(length) for length in lens])
+    first_slot = torch.arange(len(lens)) * blocks_per_seq * block_size
+    context = Context(
+        slot_mapping=first_slot.repeat_interleave(torch.tensor(lens)) + positions,
+        block_tables=torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), blocks_per_seq),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0] + lens).cumsum(0).to(torch.int32))
+    return torch.zeros(len(positions), dtype=torch.int64), positions, context
+
+
 class ModelRunner:
     def __init__(self, model, block_size, device):
         self.model = model
@@ -89,6 +109,28 @@ class ModelRunner:
         if token_buckets(max_prefill_tokens):
             self.prefill_graphs = PrefillGraphs(self.model, max_prefill_tokens, *shape)
             self.prefill_graphs.capture(pool)
+
+    @torch.inference_mode()
+    def compile_gemms(self, max_tokens):
+        """Launch every int8 linear's GEMM once per kernel variant it can meet up to max_tokens rows, on zeros.
+
+        Triton compiles a variant (a config, and its specializations of M), or loads it from its disk cache, the
+        first time a step needs it. Decode and one-sequence prefill graphs meet theirs at capture; eager steps of
+        other sizes did not, and a served Llama-3.2-1B compiled 14 variants at its first such steps, 0.4-1 s each
+        (docs/benchmarks.md, thirtieth session). Run before the KV cache is allocated: the largest output is as
+        big as that of the profiled step."""
+        from eightbit.engine.layers.linear import Linear
+        from eightbit.kernels import ops
+        from eightbit.kernels.int8_gemm import variant_sizes
+
+        layers = {(m.out_features, m.in_features, m.bias is None): m for m in self.model.modules()
+                  if isinstance(m, Linear) and m.quantized}
+        for layer in layers.values():
+            for m in variant_sizes(layer.out_features, layer.in_features, max_tokens):
+                x = torch.zeros(m, layer.in_features, dtype=torch.int8, device=self.device)
+                ops.int8_gemm(x, torch.ones(m, 1, device=self.device), layer.weight, layer.weight_scale, layer.bias,
+                              layer.out_dtype)
+        torch.cuda.synchronize()
 
     def allocate_kv_cache(self, num_blocks, dtype, group_size=None):
         attn = self.model.attention_layers()
@@ -139,19 +181,18 @@ class ModelRunner:
     def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len, kv_dtype, kv_group_size) -> int:
         """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits), in bytes.
 
-        Runs with a temporary KV cache of the engine's kind, just large enough; the cache's own bytes are
-        not counted. Being a long one-sequence prefill, it also compiles the long-prompt attention kernels
-        here rather than at the first long prompt.
+        The budget is split into prompts of at most max_model_len tokens: a step can batch several, so a
+        max_model_len below the budget does not make the step smaller. Runs with a temporary KV cache of the
+        engine's kind, just large enough; the cache's own bytes are not counted. Being a long prefill, it also
+        compiles the long-prompt attention kernels here rather than at the first long prompt.
         """
-        n = min(num_tokens, max_model_len)
-        blocks = -(-n // self.block_size)
+        n = num_tokens
+        lens, blocks = profile_prompts(n, max_model_len, self.block_size)
         self.allocate_kv_cache(blocks, kv_dtype, kv_group_size)
         cache_bytes = self.kv_cache.nbytes()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        context = Context(torch.arange(n), torch.arange(blocks, dtype=torch.int32).view(1, -1),
-                          torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32))
-        hidden = self._run_eager(torch.zeros(n, dtype=torch.int64), torch.arange(n), context)
+        hidden = self._run_eager(*prefill_inputs(lens, blocks // len(lens), self.block_size))
         rows = min(num_logit_rows, n)
         self.model.compute_logits(hidden[:rows]).softmax(-1)
         torch.cuda.synchronize()

@@ -597,9 +597,21 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     return out
 
 
+def variant_sizes(n, k, max_m):
+    """Values of M, at most max_m, at which int8_gemm launches every kernel variant it launches for [M, K] x [N, K]
+    with M in [1, max_m]: each M's config (a table entry or a default, which can vary inside a bucket), whether it
+    gets PDL, and Triton's specializations of M (== 1, % 16 == 0; the Gluon kernel's M is not exempted). Smallest M
+    first; ModelRunner.compile_gemms launches them before serving."""
+    sizes = {}
+    for m in range(1, max_m + 1):
+        cfg = get_config(m, n, k)
+        sizes.setdefault((cfg.key(), cfg.pdl, m <= PDL_MAX_M, m == 1, m % 16 == 0), m)
+    return sorted(sizes.values())
+
+
 def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
     """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias)."""
     return int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
-__all__ = ["int8_gemm", "int8_gemm_with_config", "GemmConfig"]
+__all__ = ["int8_gemm", "int8_gemm_with_config", "GemmConfig", "variant_sizes"]

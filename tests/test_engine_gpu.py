@@ -157,3 +157,21 @@ def test_gpu_a_scratch_buffer_grown_after_capture_stays_alive():
     again = llm.generate([_prompt(3, 40)], params, use_tqdm=False)[0].outputs[0].token_ids
     torch.cuda.synchronize()
     assert torch.equal(junk, before) and again == first
+
+
+def test_gpu_engine_compiles_no_gemm_variant_while_serving(monkeypatch):
+    """The engine launches each int8 GEMM at start at every M bucket (ModelRunner.compile_gemms), so steps of
+    sizes that no graph covers (batched prompts, run eagerly) load no new GEMM kernel variant."""
+    from triton import knobs
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM("llama-tiny", load_format="dummy", gpu_memory_utilization=0.2, quantization="w8a8",
+              kv_cache_dtype="int8")
+    loaded = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda *, fn, repr, **_: loaded.append(repr))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for lengths in [(5, 300), (700, 900, 45), (1500, 1300, 1200, 999), (2040, 2039, 1800, 1700)]:
+        llm.generate([_prompt(i, n) for i, n in enumerate(lengths)], greedy, use_tqdm=False)
+    late = [r for r in loaded if "int8_gemm" in r]
+    assert not late, f"{len(late)} GEMM variants loaded while serving: {late[:3]}"

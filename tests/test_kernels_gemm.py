@@ -333,6 +333,22 @@ def test_config_table_is_well_formed():
         assert cfg.block_k >= 32 and (cfg.kernel != "gemv" or m <= 8 * cfg.block_m)
 
 
+@pytest.mark.parametrize("n, k", [(6144, 4096), (2048, 2048), (256, 128), (1000, 3000)])  # in the table, and not
+@pytest.mark.parametrize("max_m", [1, 2, 15, 16, 17, 300, 1000, 8192])
+def test_variant_sizes_meet_every_kernel_variant_up_to_max_m(n, k, max_m):
+    """The engine launches each GEMM at these M before serving, so that no step compiles a kernel: every (config,
+    PDL, M == 1, M % 16 == 0) that an M in [1, max_m] selects must be met by one of them, none above max_m."""
+    from eightbit.kernels.int8_gemm import PDL_MAX_M, variant_sizes
+
+    def variant(m):
+        cfg = gemm_configs.get_config(m, n, k)
+        return cfg, cfg.pdl, m <= PDL_MAX_M, m == 1, m % 16 == 0
+
+    sizes = variant_sizes(n, k, max_m)
+    assert sizes == sorted(set(sizes)) and 1 <= sizes[0] and sizes[-1] <= max_m
+    assert {variant(m) for m in sizes} == {variant(m) for m in range(1, max_m + 1)}
+
+
 # --- the row kernels ----------------------------------------------------------------------
 
 
