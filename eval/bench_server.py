@@ -1,17 +1,19 @@
-"""The OpenAI server against the offline engine, on the same requests and the same engine object.
+"""The OpenAI server against the offline engine, on the same requests and the same engine config.
 
     python -m eightbit.eval.bench_server [--model llama-3-8b] [--num-requests 2000] [--concurrency 256]
-                                         [--stream] [--json OUT.json]
+                                         [--stream] [--engine-loop both] [--client-processes 4] [--json OUT.json]
 
-One process holds the engine (dummy weights of a real shape, token-id prompts, ignore_eos so every request
+One process builds the engine (dummy weights of a real shape, token-id prompts, ignore_eos so every request
 generates exactly its max_tokens). It runs the requests offline twice, the first time to compile every kernel
 variant they need, the second timed (all added at once, `step()` until done: the engine's own throughput). Then
-it serves them over loopback to a client in a separate process (so the client's HTTP work does not share the
-server's interpreter lock), at most `--concurrency` in flight; that is also the engine's max_num_seqs, so both
-runs batch alike. Printed: output tokens/s of both and their ratio; the client's TTFT (streamed: the first chunk)
-and end-to-end latency percentiles; the engine loop's time split from `/metrics`; the client's CPU time (near the
-wall time, the client would be the limit). Every request must come back with exactly its max_tokens, or the run
-fails.
+it serves them over loopback, with the engine loop in a thread of the server's process (the same engine object),
+then in a process of its own (an EngineProcess built from the same config once the first engine is freed). The
+clients run in `--client-processes` separate processes (one client process used 2/3 of its CPU time on a 1B run,
+90 % streamed), at most `--concurrency` in flight together; that is also the engine's max_num_seqs, so the offline
+and served runs batch alike. Printed per engine loop: output tokens/s offline and served and their ratio; the
+clients' TTFT (streamed: the first chunk) and end-to-end latency percentiles; the engine loop's time split from
+`/metrics`; the clients' CPU time (near processes x wall time, the clients would be the limit). Every request
+must come back with exactly its max_tokens, or the run fails.
 """
 
 import argparse
@@ -73,27 +75,46 @@ async def _client(url, model, requests, concurrency, stream):
         return await asyncio.gather(*(_one(client, sem, b, stream, t_run) for b in bodies))
 
 
-def _client_process(url, model, requests, concurrency, stream, results):
-    t0, cpu0 = time.perf_counter(), time.process_time()
+def _client_process(index, url, model, requests, concurrency, stream, results):
+    cpu0 = time.process_time()
+    t0 = time.time()  # wall clock: comparable across the client processes
     out = asyncio.run(_client(url, model, requests, concurrency, stream))
-    results.put((time.perf_counter() - t0, time.process_time() - cpu0, out))
+    results.put((index, t0, time.time(), time.process_time() - cpu0, out))
 
 
-def run_client(url, model, requests, concurrency, stream):
-    """The client in a spawned process: (wall seconds, its CPU seconds, per-request results)."""
+def run_client(url, model, requests, concurrency, stream, processes=1):
+    """The client in `processes` spawned processes, each with its share of the requests (every processes-th) and of
+    the concurrency: (wall seconds from the first one's start to the last one's end, their CPU seconds summed,
+    per-request results in the order of `requests`)."""
+    processes = max(1, min(processes, concurrency, len(requests)))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=_client_process, args=(url, model, requests, concurrency, stream, results))
-    proc.start()
+    procs = [ctx.Process(target=_client_process, args=(i, url, model, requests[i::processes],
+                                                       concurrency // processes + (i < concurrency % processes),
+                                                       stream, results))
+             for i in range(processes)]
+    for proc in procs:
+        proc.start()
+    done = {}
     try:
-        while True:
+        while len(done) < processes:
             try:
-                return results.get(timeout=1.0)
+                index, *rest = results.get(timeout=1.0)
+                done[index] = rest
             except queue.Empty:
-                if not proc.is_alive():  # it died before answering (its traceback is on stderr)
-                    raise RuntimeError(f"the client process ended (exit code {proc.exitcode}) without results")
+                dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+                if dead:  # it died before answering (its traceback is on stderr)
+                    raise RuntimeError(f"a client process ended (exit code {dead[0].exitcode}) without results")
     finally:
-        proc.join()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    out = [None] * len(requests)
+    for i, (_, _, _, res) in done.items():
+        out[i::processes] = res
+    wall = max(end for _, end, _, _ in done.values()) - min(start for start, _, _, _ in done.values())
+    return wall, sum(cpu for _, _, cpu, _ in done.values()), out
 
 
 def _metric(text, name):
@@ -103,10 +124,19 @@ def _metric(text, name):
     return None
 
 
-def bench_server(model, num_requests, concurrency, stream, input_len, output_len, seed=0, **engine_options):
-    import httpx
+LOOPS = ("thread", "process")
 
-    from eightbit.engine.server.cli import BackgroundServer
+
+def bench_server(model, num_requests, concurrency, stream, input_len, output_len, seed=0, client_processes=4,
+                 loops=LOOPS, **engine_options):
+    """One record per engine loop in `loops` ("thread": AsyncEngine on the offline run's engine; "process": an
+    EngineProcess built from the same config, after the offline engine is freed), each with the offline numbers."""
+    import gc
+    import weakref
+
+    import torch
+
+    from eightbit.engine.server.engine_process import EngineProcess
     from eightbit.eval.bench_common import make_requests
     from eightbit.eval.bench_engine import build_llm, run_requests
 
@@ -123,13 +153,42 @@ def bench_server(model, num_requests, concurrency, stream, input_len, output_len
     offline = run_requests(engine, prompts, output_lens)
     if offline["generated"] != expected:
         raise RuntimeError(f"offline: {offline['generated']} tokens generated, {expected} expected")
+    offline_tok_s = expected / offline["elapsed"]
+    common = dict(model=model, num_requests=num_requests, concurrency=concurrency, stream=stream,
+                  output_tokens=expected, offline_s=offline["elapsed"], offline_tok_s=offline_tok_s,
+                  offline_steps=len(offline["steps"]), client_processes=client_processes)
+    records = []
+    for loop in loops:
+        if loop == "process":
+            config, offline_engine = engine.config, weakref.ref(engine)
+            llm = engine = serving = None  # the engine process needs the memory
+            gc.collect()
+            if offline_engine() is not None:
+                raise RuntimeError("the offline engine is still referenced: its memory would not be freed")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            serving = EngineProcess(config)
+        elif loop == "thread":
+            serving = engine
+        else:
+            raise ValueError(f"unknown engine loop {loop!r}: one of {LOOPS}")
+        served = serve(serving, requests, concurrency, stream, client_processes)
+        records.append(dict(common, engine_loop=loop, **served, ratio=served["server_tok_s"] / offline_tok_s))
+    return records
+
+
+def serve(engine, requests, concurrency, stream, client_processes):
+    """Serve `requests` from `engine` (an LLMEngine or an engine loop) to the clients; the server's numbers."""
+    import httpx
+
+    from eightbit.engine.server.cli import BackgroundServer
 
     srv = BackgroundServer(engine, port=0).start()
     try:
         name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
-        run_client(srv.url, name, requests[:concurrency], concurrency, stream)  # connections, handlers, imports
+        run_client(srv.url, name, requests[:concurrency], concurrency, stream, client_processes)  # connections, imports
         before = httpx.get(srv.url + "/metrics").text
-        wall, client_cpu, results = run_client(srv.url, name, requests, concurrency, stream)
+        wall, client_cpu, results = run_client(srv.url, name, requests, concurrency, stream, client_processes)
         after = httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
@@ -143,15 +202,11 @@ def bench_server(model, num_requests, concurrency, stream, input_len, output_len
     def delta(name):
         return _metric(after, name) - _metric(before, name)
 
-    busy = delta("eightbit_engine_loop_busy_seconds_total")
-    model_s = delta("eightbit_engine_model_execution_seconds_total")
-    offline_tok_s = expected / offline["elapsed"]
     return dict(
-        model=model, num_requests=num_requests, concurrency=concurrency, stream=stream, output_tokens=expected,
-        offline_s=offline["elapsed"], offline_tok_s=offline_tok_s, offline_steps=len(offline["steps"]),
-        server_s=wall, server_tok_s=expected / wall, ratio=expected / wall / offline_tok_s,
-        server_steps=int(delta("eightbit_engine_steps_total")), loop_busy_s=busy, loop_model_s=model_s,
-        client_cpu_s=client_cpu,
+        server_s=wall, server_tok_s=sum(n for _, n in requests) / wall,
+        server_steps=int(delta("eightbit_engine_steps_total")),
+        loop_busy_s=delta("eightbit_engine_loop_busy_seconds_total"),
+        loop_model_s=delta("eightbit_engine_model_execution_seconds_total"), client_cpu_s=client_cpu,
         ttft_p50_s=percentile([r["ttft"] for r in results if r["ttft"] is not None], 0.5),
         ttft_p99_s=percentile([r["ttft"] for r in results if r["ttft"] is not None], 0.99),
         e2e_p50_s=percentile([r["e2e"] for r in results], 0.5), e2e_p99_s=percentile([r["e2e"] for r in results], 0.99),
@@ -162,9 +217,10 @@ def summary_line(r) -> str:
     ms = lambda s: "-" if s is None else f"{s * 1e3:.0f} ms"  # noqa: E731
     return (f"{r['model']}, {r['num_requests']} requests at concurrency {r['concurrency']}, "
             f"{'streamed' if r['stream'] else 'not streamed'}: offline {r['offline_tok_s']:.0f} tok/s "
-            f"({r['offline_steps']} steps), server {r['server_tok_s']:.0f} tok/s ({r['server_steps']} steps) = "
+            f"({r['offline_steps']} steps), server (engine loop in a {r['engine_loop']}) {r['server_tok_s']:.0f} tok/s "
+            f"({r['server_steps']} steps) = "
             f"{r['ratio']:.2f}x offline; engine loop busy {r['loop_busy_s']:.1f} s, model {r['loop_model_s']:.1f} s; "
-            f"client CPU {r['client_cpu_s']:.1f} s; "
+            f"client CPU {r['client_cpu_s']:.1f} s over {r['client_processes']} processes; "
             f"TTFT p50 / p99 {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}; e2e p50 / p99 {ms(r['e2e_p50_s'])} / "
             f"{ms(r['e2e_p99_s'])}")
 
@@ -180,22 +236,30 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", default="32:512")
     p.add_argument("--output-len", default="16:128")
     p.add_argument("--stream", action="store_true", help="stream the completions (TTFT measured by the client)")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="client processes sharing the requests and the concurrency (default 4: one reached 2/3 of "
+                        "its CPU over a 1B run on an H100, and 90 %% streamed)")
+    p.add_argument("--engine-loop", choices=[*LOOPS, "both"], default="both",
+                   help="serve from the engine loop in a thread of the server's process, in a process of its own "
+                        "(`eightbit serve`'s default), or both one after the other (default)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="default bfloat16 (float32 on the CPU tests)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--json", default=None, help="append the record (one JSON line) to this file")
+    p.add_argument("--json", default=None, help="append the records (a JSON line per engine loop) to this file")
     args = p.parse_args(argv)
     options = dict(ENGINE_OPTIONS, system=args.system, device=args.device)
     if args.dtype:
         options["dtype"] = args.dtype
     if args.kv_cache_memory_gb:
         options["kv_cache_memory_gb"] = args.kv_cache_memory_gb
-    record = bench_server(args.model, args.num_requests, args.concurrency, args.stream, args.input_len,
-                          args.output_len, **options)
+    loops = LOOPS if args.engine_loop == "both" else (args.engine_loop,)
+    records = bench_server(args.model, args.num_requests, args.concurrency, args.stream, args.input_len,
+                           args.output_len, client_processes=args.client_processes, loops=loops, **options)
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    print(summary_line(record))
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    for r in records:
+        print(summary_line(r))
     return 0
 
 

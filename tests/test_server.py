@@ -1,8 +1,9 @@
 """The OpenAI-compatible server, end to end over loopback HTTP with the official `openai` client.
 
-One server per session (uvicorn in a background thread, port picked by the OS) on the embedded
-SmolLM2-135M-Instruct, float32 on the CPU; the offline `LLM` in the same process is the reference
-for greedy outputs.
+Two servers per session, one after the other (uvicorn in a background thread, port picked by the OS) on the
+embedded SmolLM2-135M-Instruct, float32 on the CPU: the engine loop in a thread of this process, then in a process
+of its own (EngineProcess, `eightbit serve`'s default); every test that takes `server` runs against both. The
+offline `LLM` in this process is the reference for greedy outputs.
 """
 
 import asyncio
@@ -30,13 +31,19 @@ def offline():
     return LLM(**ENGINE_OPTIONS)
 
 
-@pytest.fixture(scope="session")
-def server():
+@pytest.fixture(scope="session", params=["thread", "process"])
+def server(request):
     from eightbit import EngineConfig, LLMEngine
+    from eightbit.engine.server.engine_process import EngineProcess
 
-    srv = BackgroundServer(LLMEngine(EngineConfig(model=None, **ENGINE_OPTIONS))).start()
+    config = EngineConfig(model=None, **ENGINE_OPTIONS)
+    srv = BackgroundServer(LLMEngine(config) if request.param == "thread" else EngineProcess(config)).start()
     yield srv
     srv.stop()
+
+
+def in_process(server) -> bool:
+    return hasattr(server.async_engine, "engine")
 
 
 @pytest.fixture(scope="session")
@@ -434,7 +441,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
     # the connection is closed mid-stream: the request is aborted and its blocks go back to the pool
     idle = wait_idle(server)
     assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
-    assert not server.async_engine.engine.requests
+    assert not in_process(server) or not server.async_engine.engine.requests
     generated = idle["eightbit_generation_tokens_total"]
     time.sleep(0.3)
     assert metrics(server)["eightbit_generation_tokens_total"] == generated  # nothing runs on in the dark
@@ -448,7 +455,7 @@ def test_non_stream_disconnect_aborts(server):
         post(server, "/v1/completions", body, timeout=httpx.Timeout(60, read=1.0))
     idle = wait_idle(server)
     assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
-    assert not server.async_engine.engine.requests
+    assert not in_process(server) or not server.async_engine.engine.requests
 
 
 def test_overload_503_with_retry_after_then_served(server, offline):
@@ -569,9 +576,14 @@ def test_load_300_requests_concurrency_32(server, offline):
 
 
 def test_engine_loop_thread_does_the_engine_work(server):
-    """Handlers never touch the engine: only the loop thread (and tokenizer workers) exist besides uvicorn."""
+    """Handlers never touch the engine: only the loop thread, or the reader of the engine process's pipe (and
+    tokenizer workers) exist besides uvicorn."""
     names = {t.name for t in threading.enumerate()}
-    assert "eightbit-engine-loop" in names
+    if in_process(server):
+        assert "eightbit-engine-loop" in names
+    else:
+        assert "eightbit-engine-loop" not in names and "eightbit-engine-reader" in names
+        assert server.async_engine._proc.is_alive() and server.async_engine.alive
     assert any(n.startswith("eightbit-tokenizer") for n in names)
 
 

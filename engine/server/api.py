@@ -127,16 +127,16 @@ _BYTE_OF_CHAR = _byte_level_alphabet()
 
 class ServerState:
     def __init__(self, async_engine: AsyncEngine, model_name: str, max_queue: int | None, tokenizer_workers: int):
-        engine = async_engine.engine
+        info = async_engine.info
         self.engine = async_engine
         self.model_name = model_name
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.hf_config.vocab_size
-        self.max_num_seqs = engine.config.max_num_seqs
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.max_num_seqs = info.max_num_seqs
         self.max_queue = max_queue
-        self.has_tokenizer = engine.tokenizer is not None  # dummy weights have none: token ids in and out
-        self.tokenizers = TokenizerPool(engine.tokenizer, tokenizer_workers)
-        self.template_call_params = _template_call_params(engine.tokenizer)
+        self.has_tokenizer = info.tokenizer is not None  # dummy weights have none: token ids in and out
+        self.tokenizers = TokenizerPool(info.tokenizer, tokenizer_workers)
+        self.template_call_params = _template_call_params(info.tokenizer)
         self.metrics = Metrics(model_name)
         self.num_queued = 0  # submitted engine requests that have not produced a token yet
         self.created = P.now()
@@ -509,7 +509,7 @@ def _is_type_tag(loc_part: str) -> bool:
 
 def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None = None,
               tokenizer_workers: int = 2) -> FastAPI:
-    """The ASGI app around a started (or to-be-started) AsyncEngine."""
+    """The ASGI app around a started engine loop: an AsyncEngine (this process) or an EngineProcess (its own)."""
     state = ServerState(async_engine, model_name, max_queue, tokenizer_workers)
 
     @contextlib.asynccontextmanager

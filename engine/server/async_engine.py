@@ -26,6 +26,22 @@ class EngineLoopError(RuntimeError):
     """The engine raised inside a step; every request in flight is failed with this."""
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of the engine behind a loop, in this process or another."""
+
+    model: str | None  # EngineConfig.model: None for the embedded default
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    tokenizer: object  # None for dummy weights: token ids in and out
+
+    @classmethod
+    def of(cls, engine) -> "EngineInfo":
+        return cls(engine.config.model, engine.max_model_len, engine.hf_config.vocab_size, engine.config.max_num_seqs,
+                   engine.tokenizer)
+
+
 @dataclass
 class Sink:
     loop: object  # the asyncio event loop of the handler waiting on `queue`
@@ -52,6 +68,7 @@ class _Timer:
 class AsyncEngine:
     def __init__(self, engine, idle_poll_s: float = 0.5):
         self.engine = engine
+        self.info = EngineInfo.of(engine)
         self.idle_poll_s = idle_poll_s
         self._commands = queue.SimpleQueue()
         self._adds_submitted = self._adds_taken = 0  # each written by one thread only (the caller's, the loop's)
@@ -69,10 +86,10 @@ class AsyncEngine:
         self._wait_timer = _Timer(engine._tokens_to_host, False)
         self._finish_timer = _Timer(engine._finish, False)
         self._postprocess_timer = _Timer(engine._postprocess, False)
-        engine._launch = self._launch_timer
-        engine._tokens_to_host = self._wait_timer
-        engine._finish = self._finish_timer
-        engine._postprocess = self._postprocess_timer
+        self._timers = {"_launch": self._launch_timer, "_tokens_to_host": self._wait_timer,
+                        "_finish": self._finish_timer, "_postprocess": self._postprocess_timer}
+        for name, timer in self._timers.items():
+            setattr(engine, name, timer)
         self._stats = self._snapshot()
 
     # --- called from any thread ------------------------------------------------------------
@@ -88,6 +105,16 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._release_engine()
+
+    def _release_engine(self):
+        """Unwrap the engine's timed methods and drop it, so that its memory goes with the caller's last reference:
+        FastAPI caches the endpoints it served, which hold this object, for the life of the process."""
+        for name, timer in self._timers.items():
+            self.engine.__dict__.pop(name, None)
+            timer.fn = None
+        self.engine = None
 
     @property
     def alive(self) -> bool:
@@ -140,9 +167,13 @@ class AsyncEngine:
                     outputs = []
                 self._deliver(outputs)
             self.busy_s += time.perf_counter() - t0
-            self._stats = self._snapshot()
+            self._publish(self._snapshot())
         self._fail_all(EngineLoopError("the engine loop stopped"))
-        self._stats = self._snapshot()
+        self._publish(self._snapshot())
+
+    def _publish(self, stats):
+        """The end of an iteration that had work: its snapshot becomes `stats`."""
+        self._stats = stats
 
     def _drain(self):
         while True:
@@ -174,10 +205,7 @@ class AsyncEngine:
             self._sinks.pop(request_id, None)
 
     def _deliver(self, outputs):
-        for rid in [rid for rid, sink in self._sinks.items() if sink.loop.is_closed()]:
-            # nobody listens: a non-streamed request would otherwise run on to its end before a delivery failed
-            self.engine.abort(rid)
-            self._sinks.pop(rid, None)
+        self._abort_unheard()
         by_sink = {}
         for out in outputs:
             rid = out.request_id
@@ -188,6 +216,12 @@ class AsyncEngine:
                 self._sinks.pop(rid, None)
             by_sink.setdefault(id(sink), (sink, []))[1].append((rid, out))
         self._send_all(list(by_sink.values()))
+
+    def _abort_unheard(self):
+        for rid in [rid for rid, sink in self._sinks.items() if sink.loop.is_closed()]:
+            # nobody listens: a non-streamed request would otherwise run on to its end before a delivery failed
+            self.engine.abort(rid)
+            self._sinks.pop(rid, None)
 
     def _send(self, sink, items):
         self._send_all([(sink, items)])
@@ -201,7 +235,7 @@ class AsyncEngine:
             by_loop.setdefault(sink.loop, []).append((sink.queue, items))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_batch, batch)
+                loop.call_soon_threadsafe(put_batch, batch)
             except RuntimeError:  # the handlers' event loop is closed: nobody is listening
                 for _, items in batch:
                     for request_id, _ in items:
@@ -240,7 +274,7 @@ class AsyncEngine:
         }
 
 
-def _put_batch(batch):
+def put_batch(batch):
     for q, items in batch:
         for item in items:
             q.put_nowait(item)

@@ -40,6 +40,9 @@ def add_serve_parser(subparsers):
     p.add_argument("--timeout-keep-alive", type=_at_least_one, default=KEEP_ALIVE_S,
                    help=f"seconds an idle connection stays open (default: {KEEP_ALIVE_S}, longer than clients' "
                         "pools keep them, so clients close them first)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine loop in a process of its own, so that it does not share the interpreter "
+                        "lock with the HTTP server (default: on; --no-engine-process runs it in a thread)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -100,13 +103,14 @@ def check_address(host, port):
 
 
 def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2):
-    """(AsyncEngine started, FastAPI app) around an LLMEngine."""
+    """(engine loop started, FastAPI app). engine: an LLMEngine (its loop then runs in a thread of this process), or
+    an engine loop (an EngineProcess, an AsyncEngine)."""
     from eightbit.engine.server.api import build_app
     from eightbit.engine.server.async_engine import AsyncEngine
 
-    async_engine = AsyncEngine(engine).start()
-    name = model_name or default_model_name(engine.config.model)
-    return async_engine, build_app(async_engine, name, max_queue=max_queue, tokenizer_workers=tokenizer_workers)
+    loop = (engine if hasattr(engine, "submit") else AsyncEngine(engine)).start()
+    name = model_name or default_model_name(loop.info.model)
+    return loop, build_app(loop, name, max_queue=max_queue, tokenizer_workers=tokenizer_workers)
 
 
 def _at_least_one(text: str) -> int:
@@ -120,10 +124,12 @@ def run_serve(args) -> int:
     import uvicorn
 
     from eightbit.engine.llm_engine import LLMEngine
+    from eightbit.engine.server.engine_process import EngineProcess
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_address(args.host, args.port)  # before the model loads, not after
-    engine = LLMEngine(EngineConfig(model=args.model, **serve_engine_options(args)))
+    config = EngineConfig(model=args.model, **serve_engine_options(args))
+    engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,0 +1,221 @@
+"""The engine loop in a process of its own, so that it shares no interpreter lock with the HTTP server.
+
+In one process, uvicorn's event loop and the engine loop take turns at the lock, and the engine's eager steps
+(bound by the host launching kernels) took twice as long while the server was busy (docs/benchmarks.md,
+twenty-ninth session). `EngineProcess` offers the server what `AsyncEngine` does (submit, abort, stats, alive)
+while the engine runs in a spawned child process, as vLLM's engine core does:
+
+    server process                                   engine process
+    handlers --submit/abort--> pipe --------------> reader thread -> AsyncEngine's command queue
+    event loops <-- call_soon_threadsafe -- reader <-- one message per step -- AsyncEngine's loop (main thread)
+
+The child runs the same `AsyncEngine` loop; only where its outputs go differs (`_EngineCore`): each step's
+outputs (deltas for streams, first token and end for the rest) and its stats snapshot go back as one pickled
+message. If the child dies, every request in flight fails with `EngineLoopError`, and `alive` turns False
+(/health answers 503).
+"""
+
+import logging
+import multiprocessing
+import signal
+import threading
+import traceback
+
+from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Sink, put_batch
+
+log = logging.getLogger("eightbit.server")
+
+_PIPE = Sink(loop=None, queue=None)  # the child's one sink: everything goes back through the pipe
+
+
+class EngineProcess:
+    """An LLMEngine built from `config` in a spawned process, with AsyncEngine's interface for the server."""
+
+    def __init__(self, config):
+        self.config = config
+        self.info = None  # EngineInfo, once started
+        self._proc = self._conn = self._reader = None
+        self._lock = threading.Lock()  # the sinks and the pipe's sending end: handlers and the reader share them
+        self._sinks = {}  # request_id -> Sink
+        self._stats = {}
+
+    def start(self):
+        """Spawn the engine process and wait until its engine is built; re-raises what building it raised."""
+        if self._proc is not None:
+            return self
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_main, args=(child_conn, self.config), name="eightbit-engine",
+                                 daemon=True)
+        self._proc.start()
+        child_conn.close()
+        kind, payload, stats = self._wait_for_start()
+        if kind == "failed":
+            self._proc.join(10)
+            raise payload
+        self.info, self._stats = payload, stats
+        self._reader = threading.Thread(target=self._read, name="eightbit-engine-reader", daemon=True)
+        self._reader.start()
+        return self
+
+    def _wait_for_start(self):
+        while not self._conn.poll(0.5):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited (code {self._proc.exitcode}) while building the engine")
+        return self._conn.recv()
+
+    def stop(self, timeout: float = 10.0):
+        if self._proc is None:
+            return
+        self._send(("stop",))
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._reader is not None and self._reader.is_alive() and self._proc.is_alive()
+
+    @property
+    def stats(self) -> dict:
+        """The engine loop's latest snapshot (AsyncEngine.stats, taken in the engine process)."""
+        return dict(self._stats, alive=self.alive)
+
+    def submit(self, request_id, prompt_token_ids, params, sink: Sink, priority=0, every_step=True):
+        """As AsyncEngine.submit."""
+        with self._lock:
+            self._sinks[request_id] = sink
+            sent = self._send(("add", request_id, list(prompt_token_ids), params, priority, every_step))
+        if not sent:
+            self._deliver([(request_id, EngineLoopError("the engine process is not running"))])
+
+    def abort(self, request_id):
+        with self._lock:
+            self._sinks.pop(request_id, None)
+            self._send(("abort", request_id))
+
+    def _send(self, message) -> bool:
+        try:
+            self._conn.send(message)
+            return True
+        except (OSError, ValueError):  # the child is gone (or the pipe closed by stop)
+            return False
+
+    # --- the reader thread -------------------------------------------------------------------
+
+    def _read(self):
+        try:
+            while True:
+                items, stats = self._conn.recv()
+                self._stats = stats
+                self._deliver(items)
+        except (EOFError, OSError):
+            pass
+        self._proc.join(5)
+        code = self._proc.exitcode
+        reason = "the engine loop stopped" if code == 0 else f"the engine process died (exit code {code})"
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        self._hand_over({rid: (sink, EngineLoopError(reason)) for rid, sink in sinks.items()}.items())
+
+    def _deliver(self, items):
+        """Hand [(request_id, RequestOutput | Exception)] to their event loops; abort what nobody hears any more."""
+        with self._lock:
+            unheard = [rid for rid, sink in self._sinks.items() if sink.loop.is_closed()]
+            for rid in unheard:
+                del self._sinks[rid]
+            routed = []
+            for rid, out in items:
+                sink = self._sinks.get(rid)
+                if sink is None:
+                    continue
+                if isinstance(out, Exception) or out.finished:
+                    del self._sinks[rid]
+                routed.append((rid, (sink, out)))
+        for rid in unheard:
+            self._send(("abort", rid))
+        self._hand_over(routed)
+
+    def _hand_over(self, routed):
+        """One call_soon_threadsafe per event loop for [(request_id, (sink, item))]."""
+        by_loop = {}
+        for rid, (sink, item) in routed:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, [(rid, item)]))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put_batch, batch)
+            except RuntimeError:  # that event loop closed: nobody is listening
+                for _, items in batch:
+                    for rid, _ in items:
+                        self.abort(rid)
+
+
+# --- the engine process ------------------------------------------------------------------------
+
+
+class _EngineCore(AsyncEngine):
+    """AsyncEngine whose outputs go back through the pipe: one message per iteration that had work."""
+
+    def __init__(self, engine, conn):
+        super().__init__(engine)
+        self.conn = conn
+        self._items = []
+
+    def _abort_unheard(self):
+        pass  # the server process knows which handlers are gone, and sends their aborts
+
+    def _send_all(self, deliveries):
+        self._items.extend(item for _, items in deliveries for item in items)
+
+    def _publish(self, stats):
+        super()._publish(stats)
+        items, self._items = self._items, []
+        try:
+            self.conn.send((items, stats))
+        except OSError:  # the server process is gone
+            self._stop.set()
+
+
+def _engine_main(conn, config):
+    from eightbit.engine.llm_engine import LLMEngine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server process stops us
+    try:
+        engine = LLMEngine(config)
+    except Exception as e:  # sent back to be raised by start(): the same error as building it in the server
+        conn.send(("failed", e if _picklable(e) else RuntimeError(traceback.format_exc()), None))
+        return
+    core = _EngineCore(engine, conn)
+    conn.send(("ready", core.info, core.stats))
+    threading.Thread(target=_read_commands, args=(conn, core), name="eightbit-engine-commands", daemon=True).start()
+    core._run()  # until a stop command, or the server process going away
+
+
+def _read_commands(conn, core):
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the server process is gone
+            message = ("stop",)
+        if message[0] == "add":
+            _, request_id, token_ids, params, priority, every_step = message
+            core.submit(request_id, token_ids, params, _PIPE, priority, every_step)
+        elif message[0] == "abort":
+            core.abort(message[1])
+        else:
+            core.stop(timeout=0)
+            return
+
+
+def _picklable(e) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,89 @@
+"""The engine loop in a process of its own (EngineProcess): what building it raises reaches the caller, a dying
+engine process fails what is in flight instead of hanging it, and stopping it leaves no process behind.
+(Requests and their answers through it: tests/test_server.py runs every server test against both loops.)"""
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from eightbit import EngineConfig
+from eightbit.engine.server.async_engine import AsyncEngine
+from eightbit.engine.server.cli import BackgroundServer
+from eightbit.engine.server.engine_process import EngineProcess
+
+ENGINE_OPTIONS = dict(model="llama-tiny", load_format="dummy", dtype="float32", device="cpu", kv_cache_memory_gb=0.05)
+PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3]
+
+
+def completion(srv, **body):
+    return httpx.post(srv.url + "/v1/completions", json=dict(model="llama-tiny", prompt=PROMPT, **body), timeout=60)
+
+
+def test_what_building_the_engine_raises_is_raised_by_start():
+    loop = EngineProcess(EngineConfig(**dict(ENGINE_OPTIONS, kv_cache_memory_gb=1e-4)))
+    with pytest.raises(ValueError, match="the KV cache holds .* fewer than one max_model_len"):
+        loop.start()
+    assert not loop.alive and loop._proc.exitcode == 0
+
+
+def test_answers_come_back_and_stop_ends_the_process():
+    """(Greedy answers equal to the offline engine's: tests/test_server.py, on SmolLM2, for both loops.)"""
+    srv = BackgroundServer(EngineProcess(EngineConfig(**ENGINE_OPTIONS))).start()
+    proc = srv.async_engine._proc
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json=dict(
+                model="llama-tiny", prompt=PROMPT, max_tokens=7, ignore_eos=True, stream=True)) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 6 + ["length"]  # a chunk per token
+        r = completion(srv, max_tokens=7, temperature=0, ignore_eos=True).json()
+        assert r["usage"]["completion_tokens"] == 7 and r["choices"][0]["finish_reason"] == "length"
+        stats = httpx.get(srv.url + "/metrics").text
+        assert "eightbit_generation_tokens_total 14" in stats  # the engine process's counters reach /metrics
+    finally:
+        srv.stop()
+    assert not proc.is_alive() and proc.exitcode == 0
+
+
+def test_a_dying_engine_process_fails_what_is_in_flight_and_health_says_so():
+    srv = BackgroundServer(EngineProcess(EngineConfig(**ENGINE_OPTIONS))).start()
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        body = dict(model="llama-tiny", prompt=PROMPT, max_tokens=1000, ignore_eos=True, stream=True)
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")  # generating
+            os.kill(srv.async_engine._proc.pid, signal.SIGKILL)
+            rest = list(lines)
+        errors = [json.loads(line[6:])["error"] for line in rest if line.startswith('data: {"error"')]
+        assert len(errors) == 1 and "the engine process died (exit code -9)" in errors[0]["message"]
+        assert [line for line in rest if line][-1] == "data: [DONE]"
+        deadline = time.monotonic() + 10
+        while srv.async_engine.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(srv.url + "/health").status_code == 503
+        late = completion(srv, max_tokens=3)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags, loop_type", [([], EngineProcess), (["--no-engine-process"], AsyncEngine)])
+def test_serve_runs_the_engine_in_its_own_process_unless_told_not_to(flags, loop_type, monkeypatch):
+    import uvicorn
+
+    from eightbit.cli import main as cli_main
+
+    def serve(app, **kw):  # instead of serving: check the loop behind the app, and that it answers
+        loop = app.state.server.engine
+        assert type(loop) is loop_type and loop.alive
+        seen.append(loop)
+
+    seen = []
+    monkeypatch.setattr(uvicorn, "run", serve)
+    assert cli_main(["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype",
+                     "float32", "--kv-cache-memory-gb", "0.05", "--port", "0", *flags]) == 0
+    assert len(seen) == 1 and not seen[0].alive  # stopped when uvicorn returned
