@@ -114,7 +114,8 @@ class Metrics:
         metric("engine_loop_outside_model_ratio", "gauge",
                "Share of the busy loop wall time spent outside model execution (scheduling, sampling, "
                "detokenization, request intake, output hand-off).", [("", repr(s["outside_model_ratio"]))])
-        metric("engine_loop_alive", "gauge", "1 while the engine-loop thread runs.", [("", int(s["alive"]))])
+        metric("engine_loop_alive", "gauge", "1 while the engine loop runs (in its thread or its process).",
+               [("", int(s["alive"]))])
         with self.lock:
             metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [("", self.prompt_tokens)])
