@@ -123,7 +123,7 @@ class ModelRunner:
         from eightbit.kernels import ops
         from eightbit.kernels.int8_gemm import variant_sizes
 
-        layers = {(m.out_features, m.in_features, m.bias is None): m for m in self.model.modules()
+        layers = {(m.out_features, m.in_features, m.bias is None, m.out_dtype): m for m in self.model.modules()
                   if isinstance(m, Linear) and m.quantized}
         for layer in layers.values():
             for m in variant_sizes(layer.out_features, layer.in_features, max_tokens):

@@ -75,7 +75,10 @@ async def _client(url, model, requests, concurrency, stream):
         return await asyncio.gather(*(_one(client, sem, b, stream, t_run) for b in bodies))
 
 
-def _client_process(index, url, model, requests, concurrency, stream, results):
+def _client_process(index, url, model, requests, concurrency, stream, results, start):
+    import httpx  # noqa: F401  (imported before the clock starts)
+
+    start.wait()  # every client process is up: they start together
     cpu0 = time.process_time()
     t0 = time.time()  # wall clock: comparable across the client processes
     out = asyncio.run(_client(url, model, requests, concurrency, stream))
@@ -88,10 +91,10 @@ def run_client(url, model, requests, concurrency, stream, processes=1):
     per-request results in the order of `requests`)."""
     processes = max(1, min(processes, concurrency, len(requests)))
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    results, start = ctx.Queue(), ctx.Barrier(processes)
     procs = [ctx.Process(target=_client_process, args=(i, url, model, requests[i::processes],
                                                        concurrency // processes + (i < concurrency % processes),
-                                                       stream, results))
+                                                       stream, results, start))
              for i in range(processes)]
     for proc in procs:
         proc.start()
@@ -157,6 +160,9 @@ def bench_server(model, num_requests, concurrency, stream, input_len, output_len
     common = dict(model=model, num_requests=num_requests, concurrency=concurrency, stream=stream,
                   output_tokens=expected, offline_s=offline["elapsed"], offline_tok_s=offline_tok_s,
                   offline_steps=len(offline["steps"]), client_processes=client_processes)
+    if list(loops) != [loop for loop in LOOPS if loop in loops]:
+        raise ValueError(f"engine loops {loops!r}: each of {LOOPS} at most once, in that order (the thread serves the "
+                         "offline run's engine, which the process's start frees)")
     records = []
     for loop in loops:
         if loop == "process":
@@ -168,10 +174,8 @@ def bench_server(model, num_requests, concurrency, stream, input_len, output_len
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             serving = EngineProcess(config)
-        elif loop == "thread":
-            serving = engine
         else:
-            raise ValueError(f"unknown engine loop {loop!r}: one of {LOOPS}")
+            serving = engine
         served = serve(serving, requests, concurrency, stream, client_processes)
         records.append(dict(common, engine_loop=loop, **served, ratio=served["server_tok_s"] / offline_tok_s))
     return records
@@ -186,7 +190,8 @@ def serve(engine, requests, concurrency, stream, client_processes):
     srv = BackgroundServer(engine, port=0).start()
     try:
         name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
-        run_client(srv.url, name, requests[:concurrency], concurrency, stream, client_processes)  # connections, imports
+        # warm-up: the server's first requests (its handlers, tokenizer threads, the engine's first steps)
+        run_client(srv.url, name, requests[:concurrency], concurrency, stream, client_processes)
         before = httpx.get(srv.url + "/metrics").text
         wall, client_cpu, results = run_client(srv.url, name, requests, concurrency, stream, client_processes)
         after = httpx.get(srv.url + "/metrics").text

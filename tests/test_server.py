@@ -641,6 +641,28 @@ def test_pending_aborts_are_not_counted_as_waiting_requests():
     assert loop.stats["waiting_requests"] == 1
 
 
+def test_a_stopped_loop_lets_its_engine_go_and_may_be_stopped_again():
+    """FastAPI keeps the endpoints it served (and so the loop) for the life of the process: the loop's stop() must
+    drop the engine and undo its timers, or the engine's memory is never freed."""
+    import gc
+    import weakref
+
+    from eightbit import EngineConfig, LLMEngine
+    from eightbit.engine.server.async_engine import AsyncEngine
+
+    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    loop = AsyncEngine(engine).start()
+    assert "_launch" in vars(engine)  # timed
+    loop.stop()
+    loop.stop()  # twice: nothing left to release
+    assert loop.engine is None and "_launch" not in vars(engine)
+    gone = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert gone() is None and loop.stats["steps"] == 0
+
+
 def test_a_step_wakes_each_event_loop_once():
     """Each call_soon_threadsafe wakes the event loop's thread, which then competes with the engine loop for the
     interpreter lock: a step's outputs go to each loop in one call, whatever the number of requests."""

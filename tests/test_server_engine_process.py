@@ -24,10 +24,13 @@ def completion(srv, **body):
 
 
 def test_what_building_the_engine_raises_is_raised_by_start():
+    import multiprocessing
+
     loop = EngineProcess(EngineConfig(**dict(ENGINE_OPTIONS, kv_cache_memory_gb=1e-4)))
     with pytest.raises(ValueError, match="the KV cache holds .* fewer than one max_model_len"):
         loop.start()
-    assert not loop.alive and loop._proc.exitcode == 0
+    assert not loop.alive and loop._proc is None  # a second start() starts afresh
+    assert not [p for p in multiprocessing.active_children() if p.name == "eightbit-engine"]
 
 
 def test_answers_come_back_and_stop_ends_the_process():
@@ -87,3 +90,66 @@ def test_serve_runs_the_engine_in_its_own_process_unless_told_not_to(flags, loop
     assert cli_main(["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype",
                      "float32", "--kv-cache-memory-gb", "0.05", "--port", "0", *flags]) == 0
     assert len(seen) == 1 and not seen[0].alive  # stopped when uvicorn returned
+
+
+def test_messages_to_the_engine_process_never_interleave():
+    """Handlers (submit, abort), the reader (aborts for closed event loops) and stop() all send on one pipe, and a
+    large message goes out as several writes: no send may start while another is under way."""
+    import threading
+
+    class SlowPipe:  # a send that takes a while, like a large message's several writes
+        def __init__(self):
+            self.inside = self.most_inside = 0
+            self.guard = threading.Lock()
+
+        def send(self, message):
+            with self.guard:
+                self.inside += 1
+                self.most_inside = max(self.most_inside, self.inside)
+            time.sleep(0.002)
+            with self.guard:
+                self.inside -= 1
+
+    loop = EngineProcess(EngineConfig(**ENGINE_OPTIONS))
+    loop._conn = pipe = SlowPipe()
+    sink = None  # never delivered to: nothing comes back from this pipe
+
+    def handler(i):
+        for j in range(20):
+            loop.submit(f"{i}-{j}", PROMPT, None, sink)
+            loop.abort(f"{i}-{j}")
+
+    def reader():
+        for j in range(40):
+            loop._send(("abort", f"gone-{j}"))
+
+    threads = [threading.Thread(target=handler, args=(i,)) for i in range(3)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pipe.most_inside == 1
+
+
+class NeedsTwoArguments(Exception):
+    def __init__(self, a, b):
+        super().__init__(a)
+
+
+def test_what_crosses_the_pipe_unpickles_and_leaves_the_prompt_behind():
+    """An error that pickles but does not unpickle would kill the reading thread; a stream's output would carry its
+    whole prompt at every step."""
+    import pickle
+
+    from eightbit.engine.outputs import CompletionOutput, RequestOutput
+    from eightbit.engine.server.engine_process import _slim
+
+    with pytest.raises(TypeError):
+        pickle.loads(pickle.dumps(NeedsTwoArguments("x", 1)))
+    err = pickle.loads(pickle.dumps(_slim(NeedsTwoArguments("bad thing", 1))))
+    assert type(err) is RuntimeError and str(err) == "NeedsTwoArguments: bad thing"
+    assert type(_slim(ValueError("too long"))) is ValueError  # kept as it is: the server maps it to a 400
+    out = RequestOutput("r", "a prompt", list(range(2000)), None, [CompletionOutput(0, "hi", [5, 6], delta="hi")])
+    slim = pickle.loads(pickle.dumps(_slim(out)))
+    assert slim.prompt is None and slim.prompt_token_ids is None and slim.outputs == out.outputs
+    assert out.prompt_token_ids == list(range(2000))  # the engine's own output is left alone

@@ -105,7 +105,7 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
-            if not self._thread.is_alive():
+            if not self._thread.is_alive() and self.engine is not None:
                 self._release_engine()
 
     def _release_engine(self):
@@ -172,7 +172,8 @@ class AsyncEngine:
         self._publish(self._snapshot())
 
     def _publish(self, stats):
-        """The end of an iteration that had work: its snapshot becomes `stats`."""
+        """The end of each iteration that took a command or ran a step, and of the loop: its snapshot becomes
+        `stats`."""
         self._stats = stats
 
     def _drain(self):

@@ -1,20 +1,22 @@
 """The engine loop in a process of its own, so that it shares no interpreter lock with the HTTP server.
 
-In one process, uvicorn's event loop and the engine loop take turns at the lock, and the engine's eager steps
-(bound by the host launching kernels) took twice as long while the server was busy (docs/benchmarks.md,
-twenty-ninth session). `EngineProcess` offers the server what `AsyncEngine` does (submit, abort, stats, alive)
-while the engine runs in a spawned child process, as vLLM's engine core does:
+In one process, uvicorn's event loop and the engine loop take turns at the lock, and the engine's eager steps are
+bound by the host launching kernels. `EngineProcess` offers the server what `AsyncEngine` does (submit, abort,
+stats, alive) while the engine runs in a spawned child process, as vLLM's engine core does. Measured against the
+thread on one H200 (docs/benchmarks.md, thirtieth session): the same throughput non-streamed, 11 % more streamed,
+17-26 % lower median latencies.
 
     server process                                   engine process
-    handlers --submit/abort--> pipe --------------> reader thread -> AsyncEngine's command queue
-    event loops <-- call_soon_threadsafe -- reader <-- one message per step -- AsyncEngine's loop (main thread)
+    handlers --submit/abort--> pipe ----------------> command thread -> AsyncEngine's command queue
+    event loops <-- call_soon_threadsafe -- reader thread <-- one message per step -- AsyncEngine's loop (main thread)
 
 The child runs the same `AsyncEngine` loop; only where its outputs go differs (`_EngineCore`): each step's
-outputs (deltas for streams, first token and end for the rest) and its stats snapshot go back as one pickled
-message. If the child dies, every request in flight fails with `EngineLoopError`, and `alive` turns False
-(/health answers 503).
+outputs (deltas for streams, first token and end for the rest; without their prompts) and its stats snapshot go
+back as one pickled message. If the child dies, every request in flight fails with `EngineLoopError`, and
+`alive` turns False (/health answers 503).
 """
 
+import dataclasses
 import logging
 import multiprocessing
 import signal
@@ -25,7 +27,7 @@ from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Si
 
 log = logging.getLogger("eightbit.server")
 
-_PIPE = Sink(loop=None, queue=None)  # the child's one sink: everything goes back through the pipe
+_PIPE = Sink(loop=None, queue=None)  # the child's one sink (no event loop there): everything goes through the pipe
 
 
 class EngineProcess:
@@ -35,7 +37,10 @@ class EngineProcess:
         self.config = config
         self.info = None  # EngineInfo, once started
         self._proc = self._conn = self._reader = None
-        self._lock = threading.Lock()  # the sinks and the pipe's sending end: handlers and the reader share them
+        self._lock = threading.Lock()  # the sinks: handlers and the reader share them
+        # the pipe's sending end: handlers, the reader (its aborts) and stop() all send, and a large message goes out
+        # as several writes, which another thread's message must not land between
+        self._send_lock = threading.Lock()
         self._sinks = {}  # request_id -> Sink
         self._stats = {}
 
@@ -49,14 +54,26 @@ class EngineProcess:
                                  daemon=True)
         self._proc.start()
         child_conn.close()
-        kind, payload, stats = self._wait_for_start()
+        try:
+            kind, payload, stats = self._wait_for_start()
+        except BaseException:  # Ctrl-C, or the child died while starting: leave nothing running
+            self._abandon_start()
+            raise
         if kind == "failed":
-            self._proc.join(10)
+            self._abandon_start()
             raise payload
         self.info, self._stats = payload, stats
         self._reader = threading.Thread(target=self._read, name="eightbit-engine-reader", daemon=True)
         self._reader.start()
         return self
+
+    def _abandon_start(self):
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(10)
+        self._conn.close()
+        self._proc = self._conn = None
 
     def _wait_for_start(self):
         while not self._conn.poll(0.5):
@@ -82,7 +99,8 @@ class EngineProcess:
 
     @property
     def stats(self) -> dict:
-        """The engine loop's latest snapshot (AsyncEngine.stats, taken in the engine process)."""
+        """The engine loop's snapshot as of its last step (taken in the engine process; its waiting requests do not
+        count adds still in the pipe)."""
         return dict(self._stats, alive=self.alive)
 
     def submit(self, request_id, prompt_token_ids, params, sink: Sink, priority=0, every_step=True):
@@ -100,7 +118,8 @@ class EngineProcess:
 
     def _send(self, message) -> bool:
         try:
-            self._conn.send(message)
+            with self._send_lock:
+                self._conn.send(message)
             return True
         except (OSError, ValueError):  # the child is gone (or the pipe closed by stop)
             return False
@@ -108,6 +127,7 @@ class EngineProcess:
     # --- the reader thread -------------------------------------------------------------------
 
     def _read(self):
+        reason = None
         try:
             while True:
                 items, stats = self._conn.recv()
@@ -115,9 +135,14 @@ class EngineProcess:
                 self._deliver(items)
         except (EOFError, OSError):
             pass
+        except Exception as e:  # a bug: end the engine process too, rather than leave it blocked on a full pipe
+            log.exception("reading the engine process's outputs failed")
+            reason = f"reading the engine process's outputs failed: {e!r}"
+            self._proc.terminate()
         self._proc.join(5)
         code = self._proc.exitcode
-        reason = "the engine loop stopped" if code == 0 else f"the engine process died (exit code {code})"
+        if reason is None:
+            reason = "the engine loop stopped" if code == 0 else f"the engine process died (exit code {code})"
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         self._hand_over({rid: (sink, EngineLoopError(reason)) for rid, sink in sinks.items()}.items())
@@ -169,7 +194,8 @@ class _EngineCore(AsyncEngine):
         pass  # the server process knows which handlers are gone, and sends their aborts
 
     def _send_all(self, deliveries):
-        self._items.extend(item for _, items in deliveries for item in items)
+        for _, items in deliveries:
+            self._items.extend((rid, _slim(out)) for rid, out in items)
 
     def _publish(self, stats):
         super()._publish(stats)
@@ -178,6 +204,14 @@ class _EngineCore(AsyncEngine):
             self.conn.send((items, stats))
         except OSError:  # the server process is gone
             self._stop.set()
+
+
+def _slim(out):
+    """What crosses the pipe: an output without the prompt (the server has it, and reads neither field; a stream would
+    otherwise carry its whole prompt at every step), an error in a form that unpickles."""
+    if isinstance(out, Exception):
+        return out if _picklable(out) else RuntimeError(f"{type(out).__name__}: {out}")
+    return dataclasses.replace(out, prompt=None, prompt_token_ids=None)
 
 
 def _engine_main(conn, config):
@@ -200,6 +234,9 @@ def _read_commands(conn, core):
         try:
             message = conn.recv()
         except (EOFError, OSError):  # the server process is gone
+            message = ("stop",)
+        except Exception:  # an unreadable message: stop, so that the server sees the engine end instead of a hang
+            log.exception("the engine process could not read a command; stopping")
             message = ("stop",)
         if message[0] == "add":
             _, request_id, token_ids, params, priority, every_step = message
