@@ -605,7 +605,7 @@ def variant_sizes(n, k, max_m):
     sizes = {}
     for m in range(1, max_m + 1):
         cfg = get_config(m, n, k)
-        sizes.setdefault((cfg.key(), cfg.pdl, m <= PDL_MAX_M, m == 1, m % 16 == 0), m)
+        sizes.setdefault((cfg.key(), cfg.pdl, m <= PDL_MAX_M, m <= TRIGGER_AHEAD_MAX_M, m == 1, m % 16 == 0), m)
     return sorted(sizes.values())
 
 

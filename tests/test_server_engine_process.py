@@ -153,3 +153,17 @@ def test_what_crosses_the_pipe_unpickles_and_leaves_the_prompt_behind():
     slim = pickle.loads(pickle.dumps(_slim(out)))
     assert slim.prompt is None and slim.prompt_token_ids is None and slim.outputs == out.outputs
     assert out.prompt_token_ids == list(range(2000))  # the engine's own output is left alone
+
+
+def test_an_engine_process_killed_while_starting_is_reported_with_its_exit_code(monkeypatch):
+    loop = EngineProcess(EngineConfig(**ENGINE_OPTIONS))
+    real_wait = EngineProcess._wait_for_start
+
+    def kill_first(self):  # as the kernel's OOM killer would, while the engine is still being built
+        os.kill(self._proc.pid, signal.SIGKILL)
+        return real_wait(self)
+
+    monkeypatch.setattr(EngineProcess, "_wait_for_start", kill_first)
+    with pytest.raises(RuntimeError, match=r"the engine process exited \(code -9\) while building the engine"):
+        loop.start()
+    assert loop._proc is None and not loop.alive

@@ -56,19 +56,19 @@ class EngineProcess:
         child_conn.close()
         try:
             kind, payload, stats = self._wait_for_start()
-        except BaseException:  # Ctrl-C, or the child died while starting: leave nothing running
-            self._abandon_start()
+        except BaseException:  # Ctrl-C (which the child ignores), or the child died while starting
+            self._abandon_start(wait_s=0)
             raise
         if kind == "failed":
-            self._abandon_start()
+            self._abandon_start(wait_s=10)  # it is on its way out
             raise payload
         self.info, self._stats = payload, stats
         self._reader = threading.Thread(target=self._read, name="eightbit-engine-reader", daemon=True)
         self._reader.start()
         return self
 
-    def _abandon_start(self):
-        self._proc.join(10)
+    def _abandon_start(self, wait_s):
+        self._proc.join(wait_s)
         if self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(10)
@@ -76,10 +76,15 @@ class EngineProcess:
         self._proc = self._conn = None
 
     def _wait_for_start(self):
-        while not self._conn.poll(0.5):
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the engine process exited (code {self._proc.exitcode}) while building the engine")
-        return self._conn.recv()
+        try:
+            while not self._conn.poll(0.5):
+                if not self._proc.is_alive():
+                    raise EOFError
+            return self._conn.recv()
+        except EOFError:  # killed (out of memory?), or a crash in native code: its stderr says more
+            self._proc.join(5)
+            raise RuntimeError(f"the engine process exited (code {self._proc.exitcode}) while building the "
+                               "engine") from None
 
     def stop(self, timeout: float = 10.0):
         if self._proc is None:
