@@ -82,12 +82,8 @@ class AsyncEngine:
         # time the loop does not overlap shows up in the wait; without it, the launch syncs, as before.
         sync = str(engine.config.device).startswith("cuda") and not engine.config.async_scheduling
         # Instance attributes shadow the methods step() calls through self: no engine change needed.
-        self._launch_timer = _Timer(engine._launch, sync)
-        self._wait_timer = _Timer(engine._tokens_to_host, False)
-        self._finish_timer = _Timer(engine._finish, False)
-        self._postprocess_timer = _Timer(engine._postprocess, False)
-        self._timers = {"_launch": self._launch_timer, "_tokens_to_host": self._wait_timer,
-                        "_finish": self._finish_timer, "_postprocess": self._postprocess_timer}
+        self._timers = {name: _Timer(getattr(engine, name), sync and name == "_launch")
+                        for name in ("_launch", "_tokens_to_host", "_finish", "_postprocess")}
         for name, timer in self._timers.items():
             setattr(engine, name, timer)
         self._stats = self._snapshot()
@@ -219,8 +215,8 @@ class AsyncEngine:
         self._send_all(list(by_sink.values()))
 
     def _abort_unheard(self):
-        for rid in [rid for rid, sink in self._sinks.items() if sink.loop.is_closed()]:
-            # nobody listens: a non-streamed request would otherwise run on to its end before a delivery failed
+        # nobody listens: a non-streamed request would otherwise run on to its end before a delivery failed
+        for rid in unheard(self._sinks):
             self.engine.abort(rid)
             self._sinks.pop(rid, None)
 
@@ -228,20 +224,9 @@ class AsyncEngine:
         self._send_all([(sink, items)])
 
     def _send_all(self, deliveries):
-        """Hand [(sink, items)] to their event loops: one call_soon_threadsafe per loop, not per request. Each call
-        wakes that loop's thread through its self-pipe, and a woken thread competes with this one for the
-        interpreter lock while the step's kernels are being launched."""
-        by_loop = {}
-        for sink, items in deliveries:
-            by_loop.setdefault(sink.loop, []).append((sink.queue, items))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_batch, batch)
-            except RuntimeError:  # the handlers' event loop is closed: nobody is listening
-                for _, items in batch:
-                    for request_id, _ in items:
-                        self.engine.abort(request_id)
-                        self._sinks.pop(request_id, None)
+        for request_id in hand_over(deliveries):
+            self.engine.abort(request_id)
+            self._sinks.pop(request_id, None)
 
     def _fail_all(self, error):
         for request_id in list(self.engine.requests):
@@ -254,7 +239,8 @@ class AsyncEngine:
         engine = self.engine
         sched, bm = engine.scheduler, engine.block_manager
         running = sched.running
-        model_s = self._launch_timer.seconds + self._wait_timer.seconds
+        seconds = {name: timer.seconds for name, timer in self._timers.items()}
+        model_s = seconds["_launch"] + seconds["_tokens_to_host"]
         busy = self.busy_s
         return {
             "running_requests": len({s.request.request_id for s in running}),
@@ -269,13 +255,35 @@ class AsyncEngine:
             "steps": self.steps,
             "busy_s": busy,
             "model_s": model_s,
-            "sample_s": self._finish_timer.seconds - self._wait_timer.seconds,
-            "postprocess_s": self._postprocess_timer.seconds,
+            "sample_s": seconds["_finish"] - seconds["_tokens_to_host"],
+            "postprocess_s": seconds["_postprocess"],
             "outside_model_ratio": (busy - model_s) / busy if busy > 0 else 0.0,
         }
 
 
-def put_batch(batch):
+def unheard(sinks) -> list:
+    """The request ids of {request_id: Sink} whose handler's event loop has closed."""
+    return [rid for rid, sink in sinks.items() if sink.loop.is_closed()]
+
+
+def hand_over(deliveries) -> list:
+    """Hand [(sink, [(request_id, item)])] to their event loops: one call_soon_threadsafe per loop, not per request.
+    Each call wakes that loop's thread through its self-pipe, and in one process a woken thread competes with the
+    engine loop for the interpreter lock while a step's kernels are being launched. Returns the request ids whose
+    event loop had closed: nobody is listening for them."""
+    by_loop = {}
+    for sink, items in deliveries:
+        by_loop.setdefault(sink.loop, []).append((sink.queue, items))
+    unheard_ids = []
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_batch, batch)
+        except RuntimeError:
+            unheard_ids += [request_id for _, items in batch for request_id, _ in items]
+    return unheard_ids
+
+
+def _put_batch(batch):
     for q, items in batch:
         for item in items:
             q.put_nowait(item)

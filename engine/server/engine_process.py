@@ -23,7 +23,7 @@ import signal
 import threading
 import traceback
 
-from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Sink, put_batch
+from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Sink, hand_over, unheard
 
 log = logging.getLogger("eightbit.server")
 
@@ -150,38 +150,24 @@ class EngineProcess:
             reason = "the engine loop stopped" if code == 0 else f"the engine process died (exit code {code})"
         with self._lock:
             sinks, self._sinks = self._sinks, {}
-        self._hand_over({rid: (sink, EngineLoopError(reason)) for rid, sink in sinks.items()}.items())
+        hand_over([(sink, [(rid, EngineLoopError(reason))]) for rid, sink in sinks.items()])
 
     def _deliver(self, items):
         """Hand [(request_id, RequestOutput | Exception)] to their event loops; abort what nobody hears any more."""
         with self._lock:
-            unheard = [rid for rid, sink in self._sinks.items() if sink.loop.is_closed()]
-            for rid in unheard:
+            gone = unheard(self._sinks)
+            for rid in gone:
                 del self._sinks[rid]
-            routed = []
+            deliveries = []
             for rid, out in items:
                 sink = self._sinks.get(rid)
                 if sink is None:
                     continue
                 if isinstance(out, Exception) or out.finished:
                     del self._sinks[rid]
-                routed.append((rid, (sink, out)))
-        for rid in unheard:
-            self._send(("abort", rid))
-        self._hand_over(routed)
-
-    def _hand_over(self, routed):
-        """One call_soon_threadsafe per event loop for [(request_id, (sink, item))]."""
-        by_loop = {}
-        for rid, (sink, item) in routed:
-            by_loop.setdefault(sink.loop, []).append((sink.queue, [(rid, item)]))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_batch, batch)
-            except RuntimeError:  # that event loop closed: nobody is listening
-                for _, items in batch:
-                    for rid, _ in items:
-                        self.abort(rid)
+                deliveries.append((sink, [(rid, out)]))
+        for rid in gone + hand_over(deliveries):
+            self.abort(rid)
 
 
 # --- the engine process ------------------------------------------------------------------------
