@@ -610,7 +610,11 @@ def variant_sizes(n, k, max_m):
 
 
 def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
-    """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias)."""
+    """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias).
+
+    On sm_90 a launch with programmatic dependent launch may copy w_q before the kernels ahead of it on the stream
+    have finished (kernels/pdl.py): weights are for reading; after writing w_q on the GPU, synchronize before
+    multiplying by it."""
     return int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 

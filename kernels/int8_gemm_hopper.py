@@ -39,7 +39,10 @@ dependent launch (kernels/pdl.py): both partitions wait for the kernel before us
 access, and the producer lets the kernel after us be scheduled once it has issued its last copy. That gains
 0.6-1.9 us behind the quantization for the short GEMMs (Llama-3.2-1B qkv and o up to M = 2048, Llama-3-8B qkv and
 o at M <= 128) and loses up to 25 % for the long ones (8B gate_up at M = 8192: 1.36 -> 1.70 ms), hence the marks
-(docs/benchmarks/gemm.md, eighteenth session).
+(docs/benchmarks/gemm.md, eighteenth session). One access comes before the producer's wait: the weight tiles of
+its first tile's first ring slots (WEIGHTS_BEFORE_WAIT), since no kernel of the chain writes weights; their
+slots are armed for the activation tiles too, which it copies after the wait. Behind the quantization that gains
+another 0.3-0.7 us on the 1B qkv and o GEMMs at M = 192-512 (thirty-first session).
 
 There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the
 Triton kernels instead (see int8_gemm._ws_ok and ws_ok). A CPU test compiles this kernel for sm_90;
@@ -65,6 +68,13 @@ CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
 # N sizes of the int8 wgmma instruction (m64nNk32) that Triton lowers
 _INT8_INSTR_N = (224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 24, 16, 8)
+# With PDL, the producer copies its first tile's weight tiles into the first ring slots before its
+# griddepcontrol.wait: they arrive while the kernel before (the activations' quantization) finishes, instead of
+# after it. Weights are not written by any kernel of the PDL chain (kernels/pdl.py says what a kernel may read
+# before its wait). H100, quant_per_token + GEMM, same process, outputs equal bit for bit (docs/benchmarks/gemm.md,
+# thirty-first session): 1B o at M = 260 / 320 / 384 / 512 7.78 / 7.75 / 8.01 / 9.43 -> 7.09 / 7.29 / 7.46 / 8.88
+# us, 1B qkv at M = 192-512 0.3-0.7 us faster; the 8B shapes within -0.4 / +0.6 us. False waits first (A/B runs).
+WEIGHTS_BEFORE_WAIT = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
@@ -93,13 +103,29 @@ def _rows_offset(pid_m, half, M):
 
 
 @gluon.jit
+def _copy_b(b_desc, b1_desc, b_bufs, b1_bufs, slot, bar, off_n, off_k, BN0: gl.constexpr, TAIL: gl.constexpr):
+    tma.async_copy_global_to_shared(b_desc, [off_n, off_k], bar, b_bufs.index(slot))
+    if TAIL:
+        tma.async_copy_global_to_shared(b1_desc, [off_n + BN0, off_k], bar, b1_bufs.index(slot))
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready, empty, M, num_pid_m, num_pid_n,
-              k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, PDL: gl.constexpr):
+              k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, PDL: gl.constexpr,
+              EARLY_B: gl.constexpr):
     BN0: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = BN0 + TAIL * b1_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes + TAIL * b1_desc.block_type.nbytes
+    early = 0
     if PDL:  # launched with PDL (kernels/pdl.py): the activations are the previous kernel's output
+        if EARLY_B:  # the weights are not: the first ring slots' weight tiles are copied while it finishes
+            early = gl.minimum(STAGES, k_tiles)
+            pid_m, pid_n = _tile_coords(gl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+            for kk in range(early):
+                mbarrier.expect(ready.index(kk), nbytes)  # armed for the A tiles too, which follow the wait
+                _copy_b(b_desc, b1_desc, b_bufs, b1_bufs, kk, ready.index(kk), pid_n * BLOCK_N, kk * BLOCK_K, BN0,
+                        TAIL)
         gdc_wait()
     step = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
@@ -108,16 +134,14 @@ def _producer(a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready,
         off_m1 = _rows_offset(pid_m, 1, M)
         for kk in range(k_tiles):
             slot = step % STAGES
-            # the consumers released this slot's previous use (the first pass finds it free)
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
+            if step >= early:  # (the first `early` slots were armed, and their weights copied, before the wait)
+                # the consumers released this slot's previous use (the first pass finds it free)
+                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(bar, nbytes)
+                _copy_b(b_desc, b1_desc, b_bufs, b1_bufs, slot, bar, pid_n * BLOCK_N, kk * BLOCK_K, BN0, TAIL)
             tma.async_copy_global_to_shared(a_desc, [off_m0, kk * BLOCK_K], bar, a0_bufs.index(slot))
             tma.async_copy_global_to_shared(a_desc, [off_m1, kk * BLOCK_K], bar, a1_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], bar, b_bufs.index(slot))
-            if TAIL:
-                tma.async_copy_global_to_shared(b1_desc, [pid_n * BLOCK_N + BN0, kk * BLOCK_K], bar,
-                                                b1_bufs.index(slot))
             step += 1
     if PDL:  # every copy is issued: the kernel after us (which waits for our output) may be scheduled
         gdc_launch_dependents()
@@ -220,7 +244,7 @@ def _consumer(a_bufs, b_bufs, b1_bufs, ready, empty, c_desc, c1_desc, xs_ptr, ws
 def _int8_gemm_ws_kernel(a_desc, b_desc, b1_desc, c_desc, c1_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K,
                          stride_cm, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
                          STAGES: gl.constexpr, LAYOUT: gl.constexpr, TAIL: gl.constexpr, LAYOUT1: gl.constexpr,
-                         PDL: gl.constexpr):
+                         PDL: gl.constexpr, EARLY_B: gl.constexpr):
     BN0: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = BN0 + TAIL * b1_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -247,7 +271,7 @@ def _int8_gemm_ws_kernel(a_desc, b_desc, b1_desc, c_desc, c1_desc, xs_ptr, ws_pt
                      stride_cm, num_pid_m, num_pid_n, k_tiles, 1, HAS_BIAS, TMA_STORE, GROUP_M, STAGES, LAYOUT, TAIL,
                      LAYOUT1, PDL)),
         (_producer, (a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready, empty, M, num_pid_m,
-                     num_pid_n, k_tiles, GROUP_M, STAGES, TAIL, PDL)),
+                     num_pid_n, k_tiles, GROUP_M, STAGES, TAIL, PDL, EARLY_B)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -315,5 +339,6 @@ def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms, pdl=
         bias_ptr=bias if bias is not None else w_scale, c_ptr=out, M=m, N=n, K=k, stride_cm=out.stride(0),
         HAS_BIAS=bias is not None, TMA_STORE=tma_store, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         LAYOUT=accumulator_layout(bn0), TAIL=bn1 > 0, LAYOUT1=accumulator_layout(bn1 or bn0), PDL=pdl,
+        EARLY_B=WEIGHTS_BEFORE_WAIT,
     ), num_warps=4, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return out

@@ -38,8 +38,11 @@ bit-identical. Above M = 128, and for the Gluon GEMM, a GEMM gets PDL where its 
 EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelfth session's launches: the
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
 
-What a kernel may do before its wait: no writes, and reads of what the previous kernel may still be writing
-only as hints, whose value may be stale without harm. An L2 prefetch (`prefetch_l2`) is such a hint, correct
+What a kernel may do before its wait: no writes; reads of data that nothing writes while the chain runs (a GEMM's
+weights, written when a model loads: the Gluon GEMM copies its first weight tiles before its wait,
+int8_gemm_hopper.WEIGHTS_BEFORE_WAIT); and reads of what the previous kernel may still be writing only as hints,
+whose value may be stale without harm. Only the wait orders a read after the previous kernels' writes, so code that
+writes a weight and multiplies by it in the very next kernels must synchronize in between (int8_gemm says so). An L2 prefetch (`prefetch_l2`) is such a hint, correct
 whatever the line holds. So in the chain the PDL-launched Triton GEMMs pull the first lines of each of their
 weight rows into L2 before waiting (int8_gemm.PREFETCH_LINES), and the Gluon decode kernel its first tile of
 pages (decode_attention_hopper.PREFETCH_TILES), computing their addresses from indices (the work order, a

@@ -51,6 +51,31 @@ def _assert_weight_prefetch(ptx):
     assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), "prefetch after the wait"
 
 
+def _descriptor_register(ptx, nth):
+    """The register the PTX addresses the kernel's `nth` TMA descriptor through (each descriptor is passed as a
+    128-byte parameter, in the order of the kernel's arguments)."""
+    import re
+
+    param = re.findall(r"\.param \.align 64 \.b8 (\w+)\[128\]", ptx)[nth]
+    staged = re.search(rf"mov\.b64\s+(%rd\d+), {param};", ptx).group(1)
+    return re.search(rf"cvta\.param\.u64\s+(%rd\d+), {staged};", ptx).group(1)
+
+
+def _assert_weights_before_wait(ptx, fn):
+    """The Gluon GEMM's producer (the last partition in the PTX) copies weight tiles (b_desc) before its PDL wait,
+    and activation tiles (a_desc, the previous kernel's output) only after it."""
+    import re
+
+    producer_wait = ptx.rindex("griddepcontrol.wait")
+    copies = [(m.start(), m.group(1)) for m in
+              re.finditer(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S* \[%r\d+\], \[(%rd\d+),", ptx)]
+    assert fn.arg_names[:2] == ["a_desc", "b_desc"], "the kernel's first two arguments are its A and B descriptors"
+    a_reg, b_reg = _descriptor_register(ptx, 0), _descriptor_register(ptx, 1)
+    assert any(reg == b_reg and pos < producer_wait for pos, reg in copies), "no weight copy before the wait"
+    assert all(pos > producer_wait for pos, reg in copies if reg == a_reg), "an activation copy before the wait"
+    assert any(reg == a_reg for _, reg in copies), "the activation copies were not found"
+
+
 def _compile_gemm(job):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -166,7 +191,7 @@ def _compile_ws(cfg):
                "stride_cm": "i32"}
         consts = {"HAS_BIAS": True, "TMA_STORE": tma_store, "GROUP_M": cfg.group_m, "STAGES": cfg.num_stages,
                   "LAYOUT": H.accumulator_layout(bn0), "TAIL": bn1 > 0, "LAYOUT1": H.accumulator_layout(bn1 or bn0),
-                  "PDL": True}
+                  "PDL": True, "EARLY_B": True}
         sig.update({name: "constexpr" for name in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("xs_ptr", "ws_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_cm")}
@@ -176,6 +201,7 @@ def _compile_ws(cfg):
         assert "wgmma.mma_async.sync.aligned" in ptx and "s32.s8.s8" in ptx, "int8 wgmma expected"
         assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, "TMA copies and warp specialization expected"
         _assert_pdl(ptx, partitions=3)  # two consumer warp groups and the producer warp
+        _assert_weights_before_wait(ptx, fn)
         in_flight = str(2 if bn1 else 1)  # one step's wgmmas stay in flight (two with a second accumulator)
         assert in_flight in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one step must stay in flight"
         if bn1:

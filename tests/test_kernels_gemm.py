@@ -505,14 +505,21 @@ def test_gemm_gpu_configs(cfg, shape):
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: "x".join(map(str, c.key())))
 @pytest.mark.parametrize("shape", [(1, 2048, 2048), (77, 3072, 2080), (130, 136, 512), (208, 136, 512),
                                    (1000, 1040, 4096)], ids=str)
-def test_gemm_gpu_ws_kernel(cfg, shape, monkeypatch):
+@pytest.mark.parametrize("pdl", [None, True], ids=["plain", "pdl"])
+def test_gemm_gpu_ws_kernel(cfg, shape, pdl, monkeypatch):
     """The warp-specialized Gluon kernel (sm_90): M = 1, M and N off the tile (row blocks past M pulled back to
-    overlap their neighbours: 77, 130, 208), K off BLOCK_K (2080 = 32 x 65).
+    overlap their neighbours: 77, 130, 208), K off BLOCK_K (2080 = 32 x 65), fewer K steps than ring slots (512).
     Exact against the int32 product (fp32 out, stored from registers); with scales and bias, bf16 and fp16
-    outputs (TMA store) equal the Triton dot kernel's bit for bit (the same epilogue arithmetic)."""
+    outputs (TMA store) equal the Triton dot kernel's bit for bit (the same epilogue arithmetic). With PDL (in the
+    chain) the producer copies its first weight tiles before its wait and arms their slots for the activations
+    it copies after."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is compiled for sm_90 only")
+    import dataclasses
+
     from eightbit.kernels import int8_gemm as mod
+
+    cfg = dataclasses.replace(cfg, pdl=pdl)
 
     launched = []
     real_launch = mod._launch_ws
