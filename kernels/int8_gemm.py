@@ -554,7 +554,8 @@ def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):
 
 
 def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16, config=None, out=None):
-    """int8_gemm with an explicit GemmConfig (tuning, tests) and an optional preallocated out [M, N]."""
+    """int8_gemm with an explicit GemmConfig (tuning, tests) and an optional preallocated out [M, N]. See int8_gemm
+    for writing w_q right before a call."""
     m, n, k = _check(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     cfg = config if config is not None else get_config(m, n, k)
     if out is None:
@@ -613,8 +614,9 @@ def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
     """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias).
 
     On sm_90 a launch with programmatic dependent launch may copy w_q before the kernels ahead of it on the stream
-    have finished (kernels/pdl.py): weights are for reading; after writing w_q on the GPU, synchronize before
-    multiplying by it."""
+    have finished (kernels/pdl.py). A w_q written by PyTorch ops is safe; one written by an eightbit kernel (e.g.
+    quant_per_token on a weight matrix) needs torch.cuda.synchronize() or any PyTorch op in between. The same holds
+    for int8_gemm_with_config."""
     return int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 

@@ -36,13 +36,14 @@ faster than the Triton kernels at M >= 512 on an H100, docs/benchmarks/gemm.md):
 
 Where its table entry says so (GemmConfig.pdl, measured by `tune_gemm --pdl`), it is launched with programmatic
 dependent launch (kernels/pdl.py): both partitions wait for the kernel before us before their first global
-access, and the producer lets the kernel after us be scheduled once it has issued its last copy. That gains
-0.6-1.9 us behind the quantization for the short GEMMs (Llama-3.2-1B qkv and o up to M = 2048, Llama-3-8B qkv and
-o at M <= 128) and loses up to 25 % for the long ones (8B gate_up at M = 8192: 1.36 -> 1.70 ms), hence the marks
-(docs/benchmarks/gemm.md, eighteenth session). One access comes before the producer's wait: the weight tiles of
-its first tile's first ring slots (WEIGHTS_BEFORE_WAIT), since no kernel of the chain writes weights; their
-slots are armed for the activation tiles too, which it copies after the wait. Behind the quantization that gains
-another 0.3-0.7 us on the 1B qkv and o GEMMs at M = 192-512 (thirty-first session).
+access (but the producer's early weight copies, below), and the producer lets the kernel after us be scheduled
+once it has issued its last copy. That gains 0.6-1.9 us behind the quantization for the short GEMMs
+(Llama-3.2-1B qkv and o up to M = 2048, Llama-3-8B qkv and o at M <= 128) and loses up to 25 % for the long ones
+(8B gate_up at M = 8192: 1.36 -> 1.70 ms), hence the marks (docs/benchmarks/gemm.md, eighteenth session). One
+access comes before the producer's wait: the weight tiles of its first tile's first ring slots
+(WEIGHTS_BEFORE_WAIT), since no kernel of the chain writes weights (kernels/pdl.py says who must synchronize
+otherwise); their slots are armed for the activation tiles too, which it copies after the wait. Behind the
+quantization that gains another 0.3-0.7 us on the 1B qkv and o GEMMs at M = 192-512 (thirty-first session).
 
 There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the
 Triton kernels instead (see int8_gemm._ws_ok and ws_ok). A CPU test compiles this kernel for sm_90;
@@ -73,7 +74,8 @@ _INT8_INSTR_N = (224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 24,
 # after it. Weights are not written by any kernel of the PDL chain (kernels/pdl.py says what a kernel may read
 # before its wait). H100, quant_per_token + GEMM, same process, outputs equal bit for bit (docs/benchmarks/gemm.md,
 # thirty-first session): 1B o at M = 260 / 320 / 384 / 512 7.78 / 7.75 / 8.01 / 9.43 -> 7.09 / 7.29 / 7.46 / 8.88
-# us, 1B qkv at M = 192-512 0.3-0.7 us faster; the 8B shapes within -0.4 / +0.6 us. False waits first (A/B runs).
+# us, 1B qkv at M = 192-512 0.3-0.7 us faster, both at M = 1024 0-0.2 us; the PDL-marked 8B entries within -0.6 /
+# +0.35 us. False waits first (A/B runs).
 WEIGHTS_BEFORE_WAIT = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -120,6 +122,7 @@ def _producer(a_desc, b_desc, b1_desc, a0_bufs, a1_bufs, b_bufs, b1_bufs, ready,
     early = 0
     if PDL:  # launched with PDL (kernels/pdl.py): the activations are the previous kernel's output
         if EARLY_B:  # the weights are not: the first ring slots' weight tiles are copied while it finishes
+            # (every program has a first tile: launch_ws starts min(tiles, SMs) programs)
             early = gl.minimum(STAGES, k_tiles)
             pid_m, pid_n = _tile_coords(gl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
             for kk in range(early):
@@ -319,8 +322,9 @@ def split_width(block_n):
 
 
 def launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, num_sms, pdl=False):
-    """pdl: launched with PDL (kernels/pdl.py); both partitions wait before their first global access and the
-    producer lets the next kernel be scheduled after its last copy."""
+    """pdl: launched with PDL (kernels/pdl.py); both partitions wait before their first global access, except the
+    producer's copies of its first weight tiles (WEIGHTS_BEFORE_WAIT), and the producer lets the next kernel be
+    scheduled after its last copy."""
     sub_m = ROWS_PER_CONSUMER
     if cfg.block_m != 2 * sub_m or cfg.num_warps != 4 or cfg.split_k != 1:
         raise ValueError(f"a 'ws' config has block_m={2 * sub_m}, num_warps=4 and split_k=1, got {cfg}")

@@ -39,10 +39,8 @@ EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelft
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
 
 What a kernel may do before its wait: no writes; reads of data that nothing writes while the chain runs (a GEMM's
-weights, written when a model loads: the Gluon GEMM copies its first weight tiles before its wait,
-int8_gemm_hopper.WEIGHTS_BEFORE_WAIT); and reads of what the previous kernel may still be writing only as hints,
-whose value may be stale without harm. Only the wait orders a read after the previous kernels' writes, so code that
-writes a weight and multiplies by it in the very next kernels must synchronize in between (int8_gemm says so). An L2 prefetch (`prefetch_l2`) is such a hint, correct
+weights, written when a model loads); and reads of what the previous kernel may still be writing only as hints,
+whose value may be stale without harm. An L2 prefetch (`prefetch_l2`) is such a hint, correct
 whatever the line holds. So in the chain the PDL-launched Triton GEMMs pull the first lines of each of their
 weight rows into L2 before waiting (int8_gemm.PREFETCH_LINES), and the Gluon decode kernel its first tile of
 pages (decode_attention_hopper.PREFETCH_TILES), computing their addresses from indices (the work order, a
@@ -52,6 +50,14 @@ instead of DRAM. Measured on an H100 (docs/benchmarks/gemm.md, attention.md and 
 session), same process: the linear part of a decode layer 1-7 % faster at M = 1-128, kv_write + decode +
 quant_per_token 0.5-1.4 us faster a layer at batch 1-64; the engine's decode 2.5 % more tokens/s at batch 16,
 3.7 % at 64, 0.5 % at batch 1; bit-identical.
+
+The Gluon GEMM goes further: it copies its first weight tiles into shared memory before its wait
+(int8_gemm_hopper.WEIGHTS_BEFORE_WAIT), real reads. Only the wait orders a read after earlier kernels' writes, and
+the producers allow their dependents as they start, so such a GEMM can start while the kernel two places before
+it still runs. A weight written by PyTorch ops needs nothing: a kernel launched without PDL lets the next one start
+only once it has completed. A weight written by one of ours that allows dependents early (e.g. `quant_per_token`
+used to quantize a weight matrix) must be followed by `torch.cuda.synchronize()`, or by any kernel launched
+without PDL (a PyTorch op, in a CUDA graph too), before a GEMM multiplies by it (int8_gemm's docstring says so).
 
 A program counts as having allowed its dependents at the first `launch_dependents` any of its threads executes
 (Triton's and PTX's docs: repeated calls have no effect); the Gluon kernels execute it in their producer warp.

@@ -35,8 +35,10 @@ def _gemm_jobs():
 
 
 def _assert_pdl(ptx, partitions=1):
-    """Every partition waits for the previous kernel before its first global access (kernels/pdl.py), and the
-    kernel after the GEMM may start after the K loop."""
+    """Every partition waits for the previous kernel before its first global access (kernels/pdl.py; the Gluon
+    GEMM's producer copies weight tiles before its wait, which _assert_weights_before_wait checks; this text-order
+    check passes for it because the producer's code comes last in the PTX), and the kernel after the GEMM may
+    start after the K loop."""
     assert ptx.count("griddepcontrol.wait") >= partitions, "the sm_90 build must wait for the previous kernel"
     first_wait = ptx.index("griddepcontrol.wait")
     for access in ("ld.global", "cp.async", "st.global", "atom.global"):
@@ -63,7 +65,8 @@ def _descriptor_register(ptx, nth):
 
 def _assert_weights_before_wait(ptx, fn):
     """The Gluon GEMM's producer (the last partition in the PTX) copies weight tiles (b_desc) before its PDL wait,
-    and activation tiles (a_desc, the previous kernel's output) only after it."""
+    and activation tiles (a_desc, the previous kernel's output) only after it. A text-order check: a layout that
+    put the producer elsewhere would fail it, not pass it."""
     import re
 
     producer_wait = ptx.rindex("griddepcontrol.wait")

@@ -512,14 +512,20 @@ def test_gemm_gpu_ws_kernel(cfg, shape, pdl, monkeypatch):
     Exact against the int32 product (fp32 out, stored from registers); with scales and bias, bf16 and fp16
     outputs (TMA store) equal the Triton dot kernel's bit for bit (the same epilogue arithmetic). With PDL (in the
     chain) the producer copies its first weight tiles before its wait and arms their slots for the activations
-    it copies after."""
+    it copies after; three programs walk every tile then, so that a program's later tiles run on the ring those
+    slots started (also after fewer K steps than slots: K = 512)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is compiled for sm_90 only")
     import dataclasses
 
     from eightbit.kernels import int8_gemm as mod
+    from eightbit.kernels import pdl as pdl_mod
 
     cfg = dataclasses.replace(cfg, pdl=pdl)
+    if pdl:
+        if not pdl_mod.chain_enabled(torch.device("cuda")):
+            pytest.skip("a table mark's PDL launch applies in the PDL chain only (EIGHTBIT_PDL, EIGHTBIT_PDL_CHAIN)")
+        monkeypatch.setattr(mod, "sm_count", lambda device: 3)
 
     launched = []
     real_launch = mod._launch_ws
