@@ -1,6 +1,6 @@
 """Benchmark the W8A8 GEMM and the fused quantizers on the GPU against bf16 cuBLAS and torch._int_mm.
 
-    python eval/bench_gemm.py [--json results.json] [--md table.md] [--quick]
+    python eval/bench_gemm.py [--json results.json] [--md table.md] [--quick | --decode | --sweep 129:1500:23]
 
 One process measures, on the same card: the device-to-device copy bandwidth (bytes
 read + written per second of a 1 GiB copy), then for Llama-3-8B and Llama-3.2-1B's
@@ -14,6 +14,10 @@ linear shapes (qkv, o, gate_up, down) and M in {1, 8, ..., 8192}:
   before finishes, as a decode GEMM's do behind its producer in the engine
 * ours_gemm_nochain  the same without the chain: a call starts when the one before has ended, as cuBLAS's do
 * ours  quant_per_token + int8_gemm (what a linear layer without a fused producer costs)
+
+With --sweep START:STOP:STEP it times only quant_per_token + int8_gemm against bf16 at those M (on --sweep-shapes,
+by default Llama-3.2-1B and Llama-3-8B qkv and o) and lists the cells slower than bf16: the "never slower at any M"
+goal between the tuned buckets, whose configs were tuned at another M.
 
 Before any timing, our GEMM's output is checked against the exact product (float64, scales applied in
 float32, rounded to bf16) and _int_mm's against the same: a wrong result stops the run, it is never timed.
@@ -154,6 +158,77 @@ def bench_linear(m, n, k, with_int_mm=True):
     return res
 
 
+SWEEP_SHAPES = "llama3.2-1b:o,llama3.2-1b:qkv,llama3-8b:o,llama3-8b:qkv"
+
+
+def parse_sweep(spec, shapes=SWEEP_SHAPES):
+    """'START:STOP:STEP' (STOP included when the steps reach it) and 'model:op,...' -> (M values, [(model, op)])."""
+    try:
+        start, stop, step = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--sweep takes START:STOP:STEP (integers), got {spec!r}") from None
+    if start < 1 or stop < start or step < 1:
+        raise ValueError(f"--sweep needs 1 <= START <= STOP and STEP >= 1, got {spec!r}")
+    pairs = [tuple(item.split(":", 1)) for item in shapes.split(",") if item]
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] not in MODELS or pair[1] not in MODELS[pair[0]]:
+            known = ", ".join(f"{m}:{o}" for m in MODELS for o in MODELS[m])
+            raise ValueError(f"--sweep-shapes: unknown shape {':'.join(pair)!r} (known: {known})")
+    return list(range(start, stop + 1, step)), pairs
+
+
+def sweep_linear(model, op, ms):
+    """quant_per_token + int8_gemm (the committed table and launch) against bf16 F.linear at every M in ms, each
+    output checked against the exact product first: the "never slower than bf16 at any M" goal between the buckets."""
+    from eightbit.kernels.int8_gemm import int8_gemm
+    from eightbit.kernels.quant_per_token import quant_per_token
+
+    n, k = MODELS[model][op]
+    nc8, nc16 = n_copies(n * k), n_copies(2 * n * k)
+    wq = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc8)]
+    ws = [torch.rand(n, 1, device="cuda") * 0.01 for _ in range(nc8)]
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nc16)]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq, xs = quant_per_token(x)
+        want = ((xq.double() @ wq[0].double().t()).float() * xs * ws[0].view(1, -1)).to(torch.bfloat16)
+        check_gemm(f"int8_gemm at M={m} N={n} K={k}", int8_gemm(xq, xs, wq[0], ws[0]), want)
+
+        def ours(i):
+            q, s = quant_per_token(x)
+            return int8_gemm(q, s, wq[i], ws[i])
+
+        us_ours = time_graph([lambda i=i: ours(i) for i in range(nc8)])
+        us_bf16 = time_graph([lambda i=i: F.linear(x, wb[i]) for i in range(nc16)])
+        rows.append(dict(model=model, op=op, m=m, n=n, k=k, us_ours=us_ours, us_bf16=us_bf16))
+        print(f"{model:12s} {op:8s} M={m:5d}  bf16 {us_bf16:8.2f}us  ours {us_ours:8.2f}us  x{us_bf16 / us_ours:.3f}",
+              flush=True)
+    del wq, ws, wb
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run_sweep(args, dev_name):
+    ms, pairs = parse_sweep(args.sweep, args.sweep_shapes)
+    rows = [r for model, op in pairs for r in sweep_linear(model, op, ms)]
+    slower = [r for r in rows if r["us_bf16"] < r["us_ours"]]
+    lines = [f"Device: {dev_name}. quant_per_token + int8_gemm against bf16 F.linear, M = {args.sweep}.", "",
+             f"{len(rows)} cells, {len(slower)} slower than bf16" + (":" if slower else "."), ""]
+    if slower:
+        lines += ["| model | op | M | bf16 µs | ours µs | bf16/ours |", "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['op']} | {r['m']} | {r['us_bf16']:.2f} | {r['us_ours']:.2f} | "
+                  f"{r['us_bf16'] / r['us_ours']:.3f} |" for r in slower]
+    md = "\n".join(lines) + "\n"
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev_name, sweep=args.sweep, rows=rows), f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    print(md)
+
+
 def bench_rows(copy_gbs):
     from eightbit.kernels.rmsnorm_quant import rmsnorm_quant
     from eightbit.kernels.silu_mul_quant import silu_mul_quant
@@ -186,9 +261,19 @@ def main(argv=None):
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--quick", action="store_true", help="8B shapes, fewer M")
     ap.add_argument("--decode", action="store_true", help="both models, M in 1, 2, 4, 8, 16 only, no row kernels")
+    ap.add_argument("--sweep", metavar="START:STOP:STEP",
+                    help="only quant + GEMM against bf16 at these M (e.g. 129:1500:23), on --sweep-shapes")
+    ap.add_argument("--sweep-shapes", default=SWEEP_SHAPES, help=f"model:op,... (default {SWEEP_SHAPES})")
     args = ap.parse_args(argv)
+    if args.sweep:
+        try:
+            parse_sweep(args.sweep, args.sweep_shapes)
+        except ValueError as e:
+            ap.error(str(e))
     torch.manual_seed(0)
     dev_name = torch.cuda.get_device_name()
+    if args.sweep:
+        return run_sweep(args, dev_name)
     copy_gbs = copy_bandwidth()  # also warms the clocks up
     copy_gbs = max(copy_gbs, copy_bandwidth())
     print(f"device: {dev_name}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
