@@ -186,14 +186,13 @@ class ModelRunner:
         engine's kind, just large enough; the cache's own bytes are not counted. Being a long prefill, it also
         compiles the long-prompt attention kernels here rather than at the first long prompt.
         """
-        n = num_tokens
-        lens, blocks = profile_prompts(n, max_model_len, self.block_size)
+        lens, blocks = profile_prompts(num_tokens, max_model_len, self.block_size)
         self.allocate_kv_cache(blocks, kv_dtype, kv_group_size)
         cache_bytes = self.kv_cache.nbytes()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         hidden = self._run_eager(*prefill_inputs(lens, blocks // len(lens), self.block_size))
-        rows = min(num_logit_rows, n)
+        rows = min(num_logit_rows, num_tokens)
         self.model.compute_logits(hidden[:rows]).softmax(-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - cache_bytes

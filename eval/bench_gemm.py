@@ -114,28 +114,48 @@ def with_chain(enabled, fn):
         pdl.CHAIN = saved
 
 
-def bench_linear(m, n, k, with_int_mm=True):
+def int8_weights(n, k):
+    """Rotated int8 weight copies [N, K] and their per-channel scales (n_copies of them: their bytes exceed L2)."""
+    nc = n_copies(n * k)
+    return ([torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc)],
+            [torch.rand(n, 1, device="cuda") * 0.01 for _ in range(nc)])
+
+
+def bf16_weights(n, k):
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(n_copies(2 * n * k))]
+
+
+def exact_gemm(xq, xs, wq, ws):
+    """The exact int8 product (float64), scaled in float32, rounded to bf16: what check_gemm compares with."""
+    return ((xq.double() @ wq.double().t()).float() * xs * ws.view(1, -1)).to(torch.bfloat16)
+
+
+def quant_gemm_calls(x, wq, ws):
+    """One callable per weight copy: quant_per_token(x) + int8_gemm, a linear layer without a fused producer."""
     from eightbit.kernels.int8_gemm import int8_gemm
     from eightbit.kernels.quant_per_token import quant_per_token
-
-    dev = "cuda"
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    xq, xs = quant_per_token(x)
-    res = {}
-    nc8 = n_copies(n * k)
-    wq = [torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8) for _ in range(nc8)]
-    ws = [torch.rand(n, 1, device=dev) * 0.01 for _ in range(nc8)]
-    want = ((xq.double() @ wq[0].double().t()).float() * xs * ws[0].view(1, -1)).to(torch.bfloat16)
-    check_gemm(f"int8_gemm at M={m} N={n} K={k}", int8_gemm(xq, xs, wq[0], ws[0]), want)
-    gemm_calls = [lambda i=i: int8_gemm(xq, xs, wq[i], ws[i]) for i in range(nc8)]
-    res["ours_gemm"] = time_graph(gemm_calls)
-    res["ours_gemm_nochain"] = with_chain(False, lambda: time_graph(gemm_calls))
 
     def ours(i):
         q, s = quant_per_token(x)
         return int8_gemm(q, s, wq[i], ws[i])
 
-    res["ours"] = time_graph([lambda i=i: ours(i) for i in range(nc8)])
+    return [lambda i=i: ours(i) for i in range(len(wq))]
+
+
+def bench_linear(m, n, k, with_int_mm=True):
+    from eightbit.kernels.int8_gemm import int8_gemm
+    from eightbit.kernels.quant_per_token import quant_per_token
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quant_per_token(x)
+    res = {}
+    wq, ws = int8_weights(n, k)
+    want = exact_gemm(xq, xs, wq[0], ws[0])
+    check_gemm(f"int8_gemm at M={m} N={n} K={k}", int8_gemm(xq, xs, wq[0], ws[0]), want)
+    gemm_calls = [lambda i=i: int8_gemm(xq, xs, wq[i], ws[i]) for i in range(len(wq))]
+    res["ours_gemm"] = time_graph(gemm_calls)
+    res["ours_gemm_nochain"] = with_chain(False, lambda: time_graph(gemm_calls))
+    res["ours"] = time_graph(quant_gemm_calls(x, wq, ws))
     if with_int_mm and m > 16:
         wt = [w.t() for w in wq]  # [K, N] column-major: cuBLAS's int8 "TN" layout
 
@@ -145,14 +165,13 @@ def bench_linear(m, n, k, with_int_mm=True):
 
         try:
             check_gemm(f"torch._int_mm + dequant at M={m} N={n} K={k}", int_mm(0), want)
-            res["int_mm"] = time_graph([lambda i=i: int_mm(i) for i in range(nc8)])
-            res["int_mm_only"] = time_graph([lambda i=i: torch._int_mm(xq, wt[i]) for i in range(nc8)])
+            res["int_mm"] = time_graph([lambda i=i: int_mm(i) for i in range(len(wt))])
+            res["int_mm_only"] = time_graph([lambda i=i: torch._int_mm(xq, wt[i]) for i in range(len(wt))])
         except RuntimeError as e:
             print(f"  _int_mm failed at M={m} N={n} K={k}: {str(e)[:100]}", file=sys.stderr)
     del wq, ws, want
-    nc16 = n_copies(2 * n * k)
-    wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(nc16)]
-    res["bf16"] = time_graph([lambda i=i: F.linear(x, wb[i]) for i in range(nc16)])
+    wb = bf16_weights(n, k)
+    res["bf16"] = time_graph([lambda i=i: F.linear(x, wb[i]) for i in range(len(wb))])
     del wb
     torch.cuda.empty_cache()
     return res
@@ -184,23 +203,14 @@ def sweep_linear(model, op, ms):
     from eightbit.kernels.quant_per_token import quant_per_token
 
     n, k = MODELS[model][op]
-    nc8, nc16 = n_copies(n * k), n_copies(2 * n * k)
-    wq = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc8)]
-    ws = [torch.rand(n, 1, device="cuda") * 0.01 for _ in range(nc8)]
-    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nc16)]
+    (wq, ws), wb = int8_weights(n, k), bf16_weights(n, k)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         xq, xs = quant_per_token(x)
-        want = ((xq.double() @ wq[0].double().t()).float() * xs * ws[0].view(1, -1)).to(torch.bfloat16)
-        check_gemm(f"int8_gemm at M={m} N={n} K={k}", int8_gemm(xq, xs, wq[0], ws[0]), want)
-
-        def ours(i):
-            q, s = quant_per_token(x)
-            return int8_gemm(q, s, wq[i], ws[i])
-
-        us_ours = time_graph([lambda i=i: ours(i) for i in range(nc8)])
-        us_bf16 = time_graph([lambda i=i: F.linear(x, wb[i]) for i in range(nc16)])
+        check_gemm(f"int8_gemm at M={m} N={n} K={k}", int8_gemm(xq, xs, wq[0], ws[0]), exact_gemm(xq, xs, wq[0], ws[0]))
+        us_ours = time_graph(quant_gemm_calls(x, wq, ws))
+        us_bf16 = time_graph([lambda i=i: F.linear(x, wb[i]) for i in range(len(wb))])
         rows.append(dict(model=model, op=op, m=m, n=n, k=k, us_ours=us_ours, us_bf16=us_bf16))
         print(f"{model:12s} {op:8s} M={m:5d}  bf16 {us_bf16:8.2f}us  ours {us_ours:8.2f}us  x{us_bf16 / us_ours:.3f}",
               flush=True)
@@ -209,8 +219,7 @@ def sweep_linear(model, op, ms):
     return rows
 
 
-def run_sweep(args, dev_name):
-    ms, pairs = parse_sweep(args.sweep, args.sweep_shapes)
+def run_sweep(args, ms, pairs, dev_name):
     rows = [r for model, op in pairs for r in sweep_linear(model, op, ms)]
     slower = [r for r in rows if r["us_bf16"] < r["us_ours"]]
     lines = [f"Device: {dev_name}. quant_per_token + int8_gemm against bf16 F.linear, M = {args.sweep}.", "",
@@ -267,13 +276,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.sweep:
         try:
-            parse_sweep(args.sweep, args.sweep_shapes)
+            sweep = parse_sweep(args.sweep, args.sweep_shapes)
         except ValueError as e:
             ap.error(str(e))
     torch.manual_seed(0)
     dev_name = torch.cuda.get_device_name()
     if args.sweep:
-        return run_sweep(args, dev_name)
+        return run_sweep(args, *sweep, dev_name)
     copy_gbs = copy_bandwidth()  # also warms the clocks up
     copy_gbs = max(copy_gbs, copy_bandwidth())
     print(f"device: {dev_name}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
