@@ -228,10 +228,14 @@ def run_sweep(args, ms, pairs, dev_name):
         lines += ["| model | op | M | bf16 µs | ours µs | bf16/ours |", "|---|---|---:|---:|---:|---:|"]
         lines += [f"| {r['model']} | {r['op']} | {r['m']} | {r['us_bf16']:.2f} | {r['us_ours']:.2f} | "
                   f"{r['us_bf16'] / r['us_ours']:.3f} |" for r in slower]
-    md = "\n".join(lines) + "\n"
+    write_results(args, dict(device=dev_name, sweep=args.sweep, rows=rows), "\n".join(lines) + "\n")
+
+
+def write_results(args, results, md):
+    """results to --json, the markdown table to --md (each if given); the table to stdout last."""
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=dev_name, sweep=args.sweep, rows=rows), f, indent=1)
+            json.dump(results, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
@@ -310,14 +314,8 @@ def main(argv=None):
     copy_end = copy_bandwidth()
     print(f"copy bandwidth at the end: {copy_end:.0f} GB/s", flush=True)
     rows = [] if args.decode else bench_rows(copy_gbs)
-    md = render_markdown(dev_name, copy_gbs, lin, rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=dev_name, copy_gbs=copy_gbs, linear=lin, rows=rows), f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    print(md)
+    write_results(args, dict(device=dev_name, copy_gbs=copy_gbs, linear=lin, rows=rows),
+                  render_markdown(dev_name, copy_gbs, lin, rows))
 
 
 def render_markdown(dev_name, copy_gbs, lin, rows):
