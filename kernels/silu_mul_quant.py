@@ -12,6 +12,16 @@ masked):
 Each input element is read once and the output written once: for the int8 path
 that is 4 bytes in and 1 byte out per bf16 output element, and the [M, I]
 intermediate never reaches memory.
+
+On the GPU the exp and the division are the bare special-function instructions
+(MUFU: _exp2_ftz, _rcp_ftz). With Triton's `tl.exp` and `/` (ex2.approx.f32 and
+div.full.f32) each wrapped its MUFU in range checks: 43.5 SASS instructions per
+element at I = 14336, which made the kernel instruction-bound on an H200 (76-79 %
+of the copy bandwidth, time proportional to BLOCK_I, masked lanes included); with
+the bare ones 86-90 % (docs/benchmarks/gemm.md, thirty-third session). The outputs
+are the same bit for bit wherever 1 + exp(-g) <= 2^126 (g >= -87.3; measured equal
+on 59M elements); below that silu(g) is under 1e-36 and becomes 0 instead. The
+CPU interpreter has no inline PTX, so there (MUFU False) the plain ops run.
 """
 
 import triton
@@ -20,6 +30,22 @@ import triton.language as tl
 from eightbit.kernels.launch import FastLauncher
 from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
+
+
+@triton.jit
+def _exp2_ftz(x):
+    """2^x as the one MUFU.EX2 (ex2.approx.ftz.f32). The ex2.approx.f32 that tl.exp emits is compiled with a
+    rescale around it for results below 2^-126; here those only ever meet 1 + (result) = 1."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _rcp_ftz(x):
+    """1 / x as the one MUFU.RCP (rcp.approx.ftz.f32): div.full.f32's a / b is a * this for b in [2^-126, 2^126]
+    and rescales the operands outside."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -35,6 +61,7 @@ def _silu_mul_kernel(
     CUDA_SCALE: tl.constexpr,
     BLOCK_I: tl.constexpr,
     PDL: tl.constexpr,
+    MUFU: tl.constexpr,
 ):
     allow_dependents(PDL)  # a PDL GEMM after us may be scheduled now; it waits for our writes (kernels/pdl.py)
     wait_for_previous_kernel(PDL)  # launched with PDL behind a GEMM: its output is our input
@@ -44,9 +71,12 @@ def _silu_mul_kernel(
     base = gu_ptr + row * stride_gu
     g = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + I + offs, mask=mask, other=0.0).to(tl.float32)
-    # the fast (approximate) division: h is rounded to gate_up.dtype next, and an IEEE
+    # approximate division either way: h is rounded to gate_up.dtype next, and an IEEE
     # division here made the kernel instruction-bound (1.6 TB/s on an H200)
-    h = g / (1.0 + tl.exp(-g)) * u
+    if MUFU:
+        h = g * _rcp_ftz(1.0 + _exp2_ftz(g * -1.4426950408889634)) * u  # exp(-g) = 2^(-g * log2(e))
+    else:
+        h = g / (1.0 + tl.exp(-g)) * u
     h = h.to(gu_ptr.dtype.element_ty)
     if QUANT:
         q, scale = _quantize_row(h.to(tl.float32), mask, CUDA_SCALE)
@@ -74,7 +104,7 @@ def _launch(gate_up, quant):
             gu_ptr=gu, out_ptr=out, q_ptr=q, scale_ptr=scale, I=i,
             stride_gu=gu.stride(0), stride_out=out.stride(0), stride_q=q.stride(0),
             QUANT=quant, CUDA_SCALE=gate_up.is_cuda, BLOCK_I=block,
-            PDL=pdl,
+            PDL=pdl, MUFU=gate_up.is_cuda,
         ), num_warps=num_warps, enable_fp_fusion=False, **pdl_options)
     elif quant:
         scale.zero_()

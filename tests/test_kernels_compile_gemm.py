@@ -238,13 +238,16 @@ def _compile_row(job):
         fn = _silu_mul_kernel
         sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "I": "i32",
                "stride_gu": "i32", "stride_out": "i32", "stride_q": "i32"}
-        consts = {"QUANT": quant, "CUDA_SCALE": True, "BLOCK_I": block, "PDL": True}
+        consts = {"QUANT": quant, "CUDA_SCALE": True, "BLOCK_I": block, "PDL": True, "MUFU": True}
     for name in consts:
         sig[name] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "enable_fp_fusion": False})
     _assert_pdl(k.asm["ptx"])  # behind a GEMM it waits for the GEMM's output; the GEMM after it may start early
+    if which == "silu":  # the bare MUFU ops, not div.full.f32's range checks (silu_mul_quant's docstring)
+        ptx = k.asm["ptx"]
+        assert "ex2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx and "div.full" not in ptx, job
     return job
 
 
