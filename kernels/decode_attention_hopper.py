@@ -487,8 +487,10 @@ _launch_kernel = FastLauncher(_decode_ws_kernel)
 # Launch settings (GPU A/B in docs/benchmarks/attention.md, ninth session): slots in the ring, and the register
 # cap at launch. Triton pads the producer warp to a warp group, so a program holds 8 warps' registers; at 104
 # per thread two programs share an SM and the consumers get 184 (no spills). A cap of 80 (3 programs per SM,
-# consumers at 136) spilled and read 5-20 points less; 4 slots instead of 2 changed nothing.
-STAGES = 2
+# consumers at 136) spilled and read 5-20 points less. Slots: on an H100 4 instead of 2 changed nothing; on an
+# H200 3 read 0.5-4 points more of the copy bandwidth than 2 at every shape measured, in each of four runs, and 4
+# no more than 3 (attention.md, thirty-second and thirty-third sessions). 3 is not measured on an H100.
+STAGES = 3
 MAXNREG = 104
 # The grid (_grid_size). RESIDENT_PER_SM programs fit on an SM at once (MAXNREG; the split rule's target,
 # attention_configs.DECODE_WS_PROGRAMS_PER_SM, is the same count). Up to PERSISTENT_AFTER_ROUNDS
