@@ -17,7 +17,7 @@ rounds of the resident programs, else a persistent grid of those, its odd rounds
   across items, so the next item's pages load while the math warps finish one. A tile's page numbers
   (block-table entries) are loaded one tile ahead, so a freed slot's copies start without a global load
   in between: 2-4 points more of the copy bandwidth on an H200, 0-2 on an H100 (attention.md, eleventh
-  session), where more ring slots gained nothing;
+  session; there more ring slots gained nothing, while on an H200 three beat two: STAGES below);
 * a partition of CONSUMERS (4) warps does the math; every tensor there has a leading "warp" axis and warp w
   takes page w of each tile with its own online softmax, so nothing crosses warps until the end (one
   barrier per tile, before the slot goes back). Each warp runs the Triton kernel's math on mma.sync
@@ -488,8 +488,9 @@ _launch_kernel = FastLauncher(_decode_ws_kernel)
 # cap at launch. Triton pads the producer warp to a warp group, so a program holds 8 warps' registers; at 104
 # per thread two programs share an SM and the consumers get 184 (no spills). A cap of 80 (3 programs per SM,
 # consumers at 136) spilled and read 5-20 points less. Slots: on an H100 4 instead of 2 changed nothing; on an
-# H200 3 read 0.5-4 points more of the copy bandwidth than 2 at every shape measured, in each of four runs, and 4
-# no more than 3 (attention.md, thirty-second and thirty-third sessions). 3 is not measured on an H100.
+# H200 3 read more of the copy bandwidth than 2 at every shape measured, by 0.8-2.7 points on the means of two runs
+# each (0.5-4 in a second session's comparison), and 4 no more than 3 (attention.md, thirty-second and
+# thirty-third sessions). 3 is not measured on an H100.
 STAGES = 3
 MAXNREG = 104
 # The grid (_grid_size). RESIDENT_PER_SM programs fit on an SM at once (MAXNREG; the split rule's target,

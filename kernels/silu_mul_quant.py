@@ -20,17 +20,18 @@ element at I = 14336, which made the kernel instruction-bound on an H200 (76-79 
 of the copy bandwidth, time proportional to BLOCK_I, masked lanes included); with
 the bare ones 86-90 % (docs/benchmarks/gemm.md, thirty-third session). The outputs
 are the same bit for bit wherever 1 + exp(-g) <= 2^126 (g >= -87.3; measured equal
-on 59M elements); below that silu(g) is under 1e-36 and becomes 0 instead. The
+on 59M int8 values and their scales); below that silu(g) is under 1e-36 and becomes 0 instead. The
 CPU interpreter has no inline PTX, so there (MUFU False) the plain ops run.
 `tl.exp2` with libdevice's fast_dividef compiles to the same instructions
 (ex2.approx.ftz, div.approx.ftz = a * rcp) in another order, and read 2 points
-less at I = 14336 on an H200 (the same at 8192), so the inline PTX stays.
+less at I = 14336 on an H200 (the same at 8192; one process, both launched with
+PDL), so the inline PTX stays.
 """
 
 import triton
 import triton.language as tl
 
-from eightbit.kernels.launch import FastLauncher
+from eightbit.kernels.launch import FastLauncher, interpreting
 from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
 
@@ -74,8 +75,8 @@ def _silu_mul_kernel(
     base = gu_ptr + row * stride_gu
     g = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + I + offs, mask=mask, other=0.0).to(tl.float32)
-    # approximate division either way: h is rounded to gate_up.dtype next, and an IEEE
-    # division here made the kernel instruction-bound (1.6 TB/s on an H200)
+    # on the GPU an approximate division either way (`/` is div.full.f32 there): h is rounded to
+    # gate_up.dtype next, and an IEEE division here made the kernel instruction-bound (1.6 TB/s on an H200)
     if MUFU:
         h = g * _rcp_ftz(1.0 + _exp2_ftz(g * -1.4426950408889634)) * u  # exp(-g) = 2^(-g * log2(e))
     else:
@@ -107,7 +108,7 @@ def _launch(gate_up, quant):
             gu_ptr=gu, out_ptr=out, q_ptr=q, scale_ptr=scale, I=i,
             stride_gu=gu.stride(0), stride_out=out.stride(0), stride_q=q.stride(0),
             QUANT=quant, CUDA_SCALE=gate_up.is_cuda, BLOCK_I=block,
-            PDL=pdl, MUFU=gate_up.is_cuda,
+            PDL=pdl, MUFU=gate_up.is_cuda and not interpreting(),
         ), num_warps=num_warps, enable_fp_fusion=False, **pdl_options)
     elif quant:
         scale.zero_()
