@@ -19,9 +19,10 @@ rounds of the resident programs, else a persistent grid of those, its odd rounds
   in between: 2-4 points more of the copy bandwidth on an H200, 0-2 on an H100 (attention.md, eleventh
   session; there more ring slots gained nothing, while on an H200 three beat two: STAGES below);
 * a partition of CONSUMERS (4) warps does the math; every tensor there has a leading "warp" axis and warp w
-  takes page w of each tile with its own online softmax, so nothing crosses warps until the end (one
-  barrier per tile, before the slot goes back). Each warp runs the Triton kernel's math on mma.sync
-  tensor cores: the group-expanded Q tile (row (r, g) = query head r's group g), the page's K converted
+  takes page w of each tile with its own online softmax, so nothing crosses warps until the end. Each warp
+  waits for a slot and gives it back by itself (the slot's `empty` barrier counts the four warps), so a warp
+  that finishes its page early goes on to the next slot (WARP_RELEASE). Each warp runs the Triton kernel's
+  math on mma.sync tensor cores: the group-expanded Q tile (row (r, g) = query head r's group g), the page's K converted
   exactly from int8 to float16, per-group partial scores scaled and summed, P scaled by the V group
   scales, V converted the same way;
 * at the end of an item the warps' (max, sum, output) are merged and the output written, or the split's
@@ -55,6 +56,8 @@ A CPU test compiles this kernel for sm_90; GPU tests hold it to FlashAttention's
 """
 
 import functools
+import re
+import warnings
 
 import torch
 import triton
@@ -81,6 +84,29 @@ def _i8_to_f16(x):
     """int8 -> float16, exact: four values in five instructions (prefill_attention.I8_TO_F16_PTX)."""
     return gl.inline_asm_elementwise(asm=I8_TO_F16_PTX, constraints="=r,=r,r", args=[x], dtype=gl.float16,
                                      is_pure=True, pack=4)
+
+
+@gluon.jit
+def _wait_slot(ready_off, slot, phase):
+    """This thread waits for the slot's copies (ready[slot] completing the given phase): the barrier addressed by its
+    shared-memory offset, in inline PTX, because Gluon's wait comes with a barrier across the partition's warps
+    (module docstring, WARP_RELEASE)."""
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred done;\n\t.reg .b32 bar;\n\tmov.u32 bar, global_smem;\n\tadd.u32 bar, bar, $1;\n"
+        "\twait_slot:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [bar], $2;\n\t@!done bra.uni wait_slot;\n"
+        "\tmov.u32 $0, 0;\n\t}",
+        "=r,r,r", [ready_off + slot * 8, phase], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release_slot(empty_off, slot):
+    """This warp is done with the slot: once all its lanes are (bar.warp.sync also orders their shared-memory
+    reads before lane 0's arrival, a release), lane 0 arrives on empty[slot], which counts CONSUMERS arrivals."""
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred lead;\n\t.reg .b32 bar, lane;\n\tbar.warp.sync -1;\n\tmov.u32 lane, %laneid;\n"
+        "\tsetp.eq.u32 lead, lane, 0;\n\tmov.u32 bar, global_smem;\n\tadd.u32 bar, bar, $1;\n"
+        "\t@lead mbarrier.arrive.shared::cta.b64 _, [bar];\n\tmov.u32 $0, 0;\n\t}",
+        "=r,r", [empty_off + slot * 8], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -253,10 +279,11 @@ def _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, page, p: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
-              seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob, stride_oh,
-              QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, NG: gl.constexpr,
-              STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr):
+def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr, part_out_ptr,
+              part_lse_ptr, count_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh,
+              stride_ob, stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+              NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr, KW: gl.constexpr,
+              PDL: gl.constexpr, WARP_RELEASE: gl.constexpr):
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
     (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
@@ -267,17 +294,18 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, pa
         item = _snake_item(pos, total, gl.num_programs(0))
         kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV,
                                                             TILE)
-        it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr,
-                           part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it, num_splits,
-                           stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE,
-                           KW)
+        it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
+                           part_out_ptr, part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it,
+                           num_splits, stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES,
+                           SPLIT, MERGE, KW, WARP_RELEASE)
 
 
 @gluon.jit
-def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-                  count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it, num_splits, stride_qb, stride_qh,
-                  stride_ob, stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                  NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr, KW: gl.constexpr):
+def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr, part_out_ptr,
+                  part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it, num_splits, stride_qb,
+                  stride_qh, stride_ob, stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr,
+                  HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr,
+                  KW: gl.constexpr, WARP_RELEASE: gl.constexpr):
     """One work item's keys, tiles it, it + 1, ... of the ring; returns the ring position after them."""
     PAGE: gl.constexpr = k_bufs.shape[2]
     D: gl.constexpr = k_bufs.shape[3]
@@ -315,7 +343,10 @@ def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr
         gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(1, qk_l))), 0)  # [W, PAGE]
     for tile_start in range(start, end, TILE):
         slot = it % STAGES
-        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        if WARP_RELEASE:
+            _wait_slot(ready_off, slot, (it // STAGES) & 1)
+        else:
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
         k = k_bufs.index(slot).permute((0, 2, 1)).load(gl.DotOperandLayout(1, MMA, KW))  # [W, D, PAGE] int8
         part = mma_v2(q, _i8_to_f16(k), gl.zeros([W, ROWS, PAGE], gl.float32, MMA))
         part4 = gl.convert_layout(gl.reshape(part, [W, QPK_PAD, NG, PAGE]), l4)
@@ -337,8 +368,11 @@ def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr
         v = v_bufs.index(slot).permute((0, 2, 1)).load(gl.DotOperandLayout(1, MMA, KW))  # [W, PAGE, D]
         pa = gl.convert_layout(px.to(gl.float16), gl.DotOperandLayout(0, MMA, KW))
         acc = mma_v2(pa, _i8_to_f16(v), acc)
-        gl.thread_barrier()  # every warp has read the slot before it goes back to the producer
-        mbarrier.arrive(empty.index(slot))
+        if WARP_RELEASE:  # each warp gives the slot back when it is done with it (its page)
+            _release_slot(empty_off, slot)
+        else:  # every warp has read the slot before it goes back to the producer
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(slot))
         it += 1
 
     # row (r, g) of acc is valid at group g's columns only
@@ -448,16 +482,16 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, kvh, b, num_splits, live_
              mask=heads < kvh * QPK + QPK)
 
 
-@gluon.jit(do_not_specialize=["batch", "num_splits", "num_blocks", "bt_width", "stride_bt"],
+@gluon.jit(do_not_specialize=["ready_off", "empty_off", "batch", "num_splits", "num_blocks", "bt_width", "stride_bt"],
            # see decode_attention._decode_kernel
            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "order_ptr"])
 def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_desc, v_desc, k_ptr, v_ptr,
-                      k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, qk_scale, batch,
-                      num_splits, num_blocks, bt_width, stride_qb, stride_qh, stride_ob, stride_oh, stride_sb,
-                      stride_sp, stride_sh, stride_bt, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr,
-                      HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                      k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr, ready_off, empty_off,
+                      qk_scale, batch, num_splits, num_blocks, bt_width, stride_qb, stride_qh, stride_ob, stride_oh,
+                      stride_sb, stride_sp, stride_sh, stride_bt, QPK: gl.constexpr, QPK_PAD: gl.constexpr,
+                      HQ: gl.constexpr, HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                       MERGE: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr, TRIGGER: gl.constexpr,
-                      PREFETCH_TILES: gl.constexpr):
+                      PREFETCH_TILES: gl.constexpr, WARP_RELEASE: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     # [slot, consumer, ...]; a layout describes one slot
@@ -470,11 +504,12 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_d
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=CONSUMERS if WARP_RELEASE else 1)
     gl.warp_specialize([
-        (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, out_ptr, part_out_ptr, part_lse_ptr,
-                     count_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh, stride_ob,
-                     stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW, PDL)),
+        (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
+                     part_out_ptr, part_lse_ptr, count_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits,
+                     stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW,
+                     PDL, WARP_RELEASE)),
         (_producer, (k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
                      order_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, num_blocks,
                      bt_width, stride_sb, stride_sp, stride_sh, stride_bt, HKV, NG, STAGES, PDL, TRIGGER,
@@ -482,7 +517,44 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_d
     ], [1], [PRODUCER_REGS])
 
 
-_launch_kernel = FastLauncher(_decode_ws_kernel)
+_SMEM_BASE = re.compile(r"mov\.(?:b32|u32)\s+(%r\d+), global_smem;")
+_SMEM_ADD = re.compile(r"add\.s32\s+(%r\d+), (%r\d+), (\d+);")
+_BARRIER_INIT = re.compile(r"mbarrier\.init\.shared::cta\.b64 \[(%r\d+)\], (\d+);")
+
+
+def ring_barrier_offsets(ptx):
+    """(ready[0], empty[0]): the shared-memory offsets of the ring's barriers in a compiled kernel with
+    WARP_RELEASE, read from the PTX of their initialization (ready counts 1 arrival, empty CONSUMERS; each at
+    global_smem + offset, slots 8 bytes apart); None where the PTX does not show them so."""
+    bases = set(_SMEM_BASE.findall(ptx))
+    offset = {reg: int(off) for reg, base, off in _SMEM_ADD.findall(ptx) if base in bases}
+    found = {}
+    for reg, count in _BARRIER_INIT.findall(ptx):
+        if reg not in offset:
+            return None
+        found.setdefault(int(count), []).append(offset[reg])
+    ready, empty = sorted(found.get(1, [])), sorted(found.get(CONSUMERS.value, []))
+    if set(found) != {1, CONSUMERS.value} or len(ready) != len(empty):
+        return None
+    if any(slots != list(range(slots[0], slots[0] + 8 * len(slots), 8)) for slots in (ready, empty)):
+        return None
+    return ready[0], empty[0]
+
+
+def _bind_ring_barriers(kernel):
+    """FastLauncher's bind: the offsets _wait_slot and _release_slot address. Where they cannot be read (another
+    Triton's PTX), the kernel with Gluon's own barrier waits (WARP_RELEASE off), and a warning."""
+    if not WARP_RELEASE:  # switched off: nothing to fill in
+        return {}
+    offsets = ring_barrier_offsets(kernel.asm["ptx"])
+    if offsets is None:
+        warnings.warn("decode_attention_hopper: the ring barriers' shared-memory offsets are not in this Triton's "
+                      "PTX; the int8 decode kernel runs without WARP_RELEASE (a few points of bandwidth slower)")
+        return {"WARP_RELEASE": False}
+    return {"ready_off": offsets[0], "empty_off": offsets[1]}
+
+
+_launch_kernel = FastLauncher(_decode_ws_kernel, bind=_bind_ring_barriers)
 
 # Launch settings (GPU A/B in docs/benchmarks/attention.md, ninth session): slots in the ring, and the register
 # cap at launch. Triton pads the producer warp to a warp group, so a program holds 8 warps' registers; at 104
@@ -511,6 +583,13 @@ PERSISTENT_AFTER_ROUNDS = 2
 # quant_per_token, 0 -> 1 tile: 16 x 2k 38.3 -> 36.9, 64 x 640 47.7 -> 46.5, 1 x 4k 14.9 -> 13.9; calls back to
 # back 16 x 2k 33.1 -> 32.6, 256 x 2k +0.4 %. Two tiles, or the prefetch in the consumer warps: no better.
 PREFETCH_TILES = 1
+# Each math warp waits for a slot and gives it back on its own (_wait_slot, _release_slot: inline PTX on the
+# barriers' shared-memory offsets, which the launch reads from the compiled PTX, _bind_ring_barriers). Gluon's
+# wait and arrive come with a barrier across the four math warps before each (Triton 3.6), so every tile waited
+# for its slowest warp twice. H200, same process, ABBA (attention.md, thirty-fourth session), % of the copy
+# bandwidth: batch >= 32 and 16 x >= 8k 81-94 -> 90-100, outputs equal bit for bit; 16 x 2k, 8 x 8k and 1 x 32k
+# within 2.5 points. Not measured on an H100.
+WARP_RELEASE = True
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
 
@@ -572,13 +651,14 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         count_ptr=counters if counters is not None else part_lse, k_desc=_descriptor(k3, (1, page, d)),
         v_desc=TensorDescriptor(v3, list(v3.shape), list(v3.stride()), [1, v_rows, 128], V_LAYOUT),
         k_ptr=k_cache, v_ptr=v_cache, k_scale_ptr=k_scale, v_scale_ptr=v_scale, block_tables_ptr=block_tables,
-        seq_lens_ptr=seq_lens, order_ptr=order, qk_scale=qk_scale, batch=bsz, num_splits=splits, num_blocks=nblk,
+        seq_lens_ptr=seq_lens, order_ptr=order, ready_off=0, empty_off=0,  # _bind_ring_barriers fills them in
+        qk_scale=qk_scale, batch=bsz, num_splits=splits, num_blocks=nblk,
         bt_width=block_tables.shape[1],
         stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         stride_sb=k_scale.stride(0), stride_sp=k_scale.stride(1), stride_sh=k_scale.stride(2),
         stride_bt=block_tables.stride(0),
         QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1,
         MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl, TRIGGER=chain_enabled(q.device),
-        PREFETCH_TILES=PREFETCH_TILES,
+        PREFETCH_TILES=PREFETCH_TILES, WARP_RELEASE=WARP_RELEASE,
     ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out

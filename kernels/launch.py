@@ -89,8 +89,14 @@ def arg_key(v, kind):
 
 
 class FastLauncher:
-    def __init__(self, jit_fn):
+    def __init__(self, jit_fn, bind=None):
+        """bind: optional, compiled kernel -> {parameter: value}, for arguments that only the compiled code can
+        tell (decode_attention_hopper reads its barriers' shared-memory offsets from the PTX). Each new
+        specialization is then compiled without a launch, bind() is asked once, and every launch of it gets
+        those values in place of the caller's: do_not_specialize ints, or a constexpr that selects another kernel
+        (which is then compiled and kept under the key of the one asked for)."""
         self.fn = jit_fn
+        self.bind = bind
         self.compiled = {}
         # TRITON_INTERPRET=1 makes triton.jit return an InterpretedFunction: nothing compiled to keep
         self.enabled = knobs is not None and isinstance(jit_fn, JITFunction)
@@ -108,19 +114,29 @@ class FastLauncher:
     def __call__(self, grid, args: dict, **options):
         """fn[grid](**args, **options); args must name every kernel parameter, constexprs included."""
         if not self.enabled:
-            self.fn[grid](**args, **options)
+            self.fn[grid](**dict(args, **self._bound(grid, args, options)), **options)
             return
         values = [args[n] for n in self.names]
         device = driver.active.get_current_device()
         key = (device, self.key(values, options))
-        kernel = self.compiled.get(key)
-        if kernel is None:
-            kernel = self.fn[grid](**args, **options)
+        entry = self.compiled.get(key)
+        if entry is None:
+            bound = self._bound(grid, args, options)
+            kernel = self.fn[grid](**dict(args, **bound), **options)
             if hasattr(kernel, "packed_metadata"):
-                self.compiled[key] = kernel
+                self.compiled[key] = (kernel, [(self.names.index(n), v) for n, v in bound.items()])
             return
+        kernel, fixed = entry
+        for i, v in fixed:
+            values[i] = v
         stream = driver.active.get_current_stream(device)
         g = tuple(grid) + (1,) * (3 - len(grid))
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(g, stream, *values),
                    knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+
+    def _bound(self, grid, args, options):
+        """bind()'s values for the kernel these args compile to (compiled here, not launched); {} without bind."""
+        if self.bind is None:
+            return {}
+        return self.bind(self.fn.warmup(grid=grid, **args, **options))

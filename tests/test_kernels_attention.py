@@ -841,6 +841,33 @@ def test_decode_ws_host_copies_v_pages_as_wide_rows(monkeypatch, d):
     assert grid == (b * hkv,) and opts["num_warps"] == 4
 
 
+def _ptx_inits(inits, base="global_smem"):
+    """PTX lines as Triton writes a barrier's initialization: (offset, arrival count) per barrier."""
+    lines = [f"\tmov.b32 \t%r9, {base};"]
+    for i, (offset, count) in enumerate(inits):
+        lines += [f"\tadd.s32 \t%r{20 + i}, %r9, {offset};", "\t// begin inline asm",
+                  f"\t@%p1 mbarrier.init.shared::cta.b64 [%r{20 + i}], {count};", "\t// end inline asm"]
+    return "\n".join(lines)
+
+
+def test_ring_barrier_offsets_reads_the_ptx_or_gives_up():
+    """The launch reads ready[0] and empty[0]'s shared-memory offsets from the kernel's barrier initializations
+    (ready: 1 arrival, empty: one per math warp; slots 8 bytes apart, interleaved as the kernel initializes them);
+    anything else gives None, so that the launch falls back to Gluon's waits rather than wait on a wrong address."""
+    from eightbit.kernels import decode_attention_hopper as H
+
+    w = H.CONSUMERS.value
+    ring = [(60416, 1), (60448, w), (60424, 1), (60456, w), (60432, 1), (60464, w)]
+    assert H.ring_barrier_offsets(_ptx_inits(ring)) == (60416, 60448)
+    assert H.ring_barrier_offsets(_ptx_inits(ring[:2])) == (60416, 60448)
+    assert H.ring_barrier_offsets(_ptx_inits(ring, base="other_smem")) is None  # not from the shared base
+    assert H.ring_barrier_offsets(_ptx_inits(ring[:5])) is None  # 3 ready, 2 empty
+    assert H.ring_barrier_offsets(_ptx_inits([(o, 1) for o, _ in ring])) is None  # Gluon's waits: counts all 1
+    gap = [(60416, 1), (60448, w), (60432, 1), (60456, w)]
+    assert H.ring_barrier_offsets(_ptx_inits(gap)) is None  # ready slots not 8 bytes apart
+    assert H.ring_barrier_offsets("") is None
+
+
 def test_decode_ws_grid_size():
     """The Gluon decode's grid: one program per work item up to two rounds of the resident programs (two per SM),
     then a persistent grid of those (the kernel then walks its rounds alternately forwards and backwards)."""
@@ -937,6 +964,33 @@ def test_gpu_decode_ws_merge_reads_only_splits_with_keys():
         assert 1 <= live <= splits and (live == splits) == (n == 4864)  # 4,864 keys fill all 19: three merge steps
         assert not part_lse[b, :, :live].isnan().any() and part_lse[b, :, live:].isnan().all()
     assert int(counters.count_nonzero()) == 0
+
+
+@gpu
+@pytest.mark.parametrize("splits,small_grid", [(None, False), (19, False), (5, True)])
+def test_gpu_decode_ws_warp_release_matches_gluon_waits(monkeypatch, splits, small_grid):
+    """WARP_RELEASE (each math warp waits for and gives back its ring slot itself, on barrier offsets the launch
+    reads from the PTX) against Gluon's own waits: the same outputs bit for bit, with a persistent grid too (7
+    SMs: warps run ahead across work items), and the launch did find the offsets."""
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels import decode_attention_hopper as H
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon decode kernel is sm_90 only")
+    if small_grid:
+        monkeypatch.setattr(H, "sm_count", lambda device: 7)
+    monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
+    seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1), (4864, 1)]
+    sc = Scenario(seqs, 32, 8, 128, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=5)
+    q = torch.randn(len(seqs), 32, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5)
+    per_warp = decode_attention_splits(*args, splits)
+    names = H._launch_kernel.names
+    on = names.index("WARP_RELEASE")  # a constexpr: its value is in the launch key
+    bound = [fixed for key, (_, fixed) in H._launch_kernel.compiled.items() if key[1][0][on] is True]
+    assert bound and all({names[i] for i, _ in fixed} == {"ready_off", "empty_off"} for fixed in bound)
+    monkeypatch.setattr(H, "WARP_RELEASE", False)
+    torch.testing.assert_close(decode_attention_splits(*args, splits), per_warp, rtol=0, atol=0)
 
 
 def _gpu_int8_caches(g, blocks, page, hkv, d):

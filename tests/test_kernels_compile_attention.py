@@ -157,10 +157,15 @@ WS_SCRIPT = textwrap.dedent(
 
     fn = H._decode_ws_kernel
     results = []
-    # (split, merge, head_dim, query heads per kv head, the PDL chain)
-    cases = [(False, False, 128, 4, True), (True, False, 128, 4, True), (True, True, 128, 4, True),
-             (True, True, 64, 4, True), (True, True, 256, 2, True), (True, True, 128, 4, False)]
-    for split, merge, d, qpk, chain in cases:
+    def _between(ptx, start, end):
+        i = ptx.find(start)
+        return ptx[i:ptx.find(end, i)] if i >= 0 else ""
+
+    # (split, merge, head_dim, query heads per kv head, the PDL chain, WARP_RELEASE)
+    cases = [(False, False, 128, 4, True, True), (True, False, 128, 4, True, True), (True, True, 128, 4, True, True),
+             (True, True, 64, 4, True, True), (True, True, 256, 2, True, True), (True, True, 128, 4, False, True),
+             (True, True, 128, 4, True, False)]
+    for split, merge, d, qpk, chain, warp_release in cases:
         ng = d // 32
         sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                "count_ptr": "*i32",
@@ -173,7 +178,7 @@ WS_SCRIPT = textwrap.dedent(
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
         consts = dict(QPK=qpk, QPK_PAD=16 // ng, HQ=8 * qpk, HKV=8, NG=ng, STAGES=H.STAGES, SPLIT=split, MERGE=merge,
-                      KW=H.KW, PDL=True, TRIGGER=chain, PREFETCH_TILES=1)
+                      KW=H.KW, PDL=True, TRIGGER=chain, PREFETCH_TILES=1, WARP_RELEASE=warp_release)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
@@ -181,7 +186,11 @@ WS_SCRIPT = textwrap.dedent(
         k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
         ptx = k.asm["ptx"]
-        results.append(dict(split=split, merge=merge, d=d, chain=chain, atomics=ptx.count("atom.global"),
+        # a math warp's tile loop, from its slot wait to its release
+        loop = _between(ptx, "wait_slot:", "@lead mbarrier.arrive")
+        results.append(dict(split=split, merge=merge, d=d, chain=chain, warp_release=warp_release, stages=H.STAGES,
+                            offsets=H.ring_barrier_offsets(ptx), loop_len=len(loop),
+                            loop_bar_syncs=loop.count("bar.sync"), atomics=ptx.count("atom.global"),
                             shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
                             mma=ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
                             tma=ptx.count("cp.async.bulk.tensor.3d"),
@@ -201,7 +210,8 @@ def test_decode_ws_kernel_compiles_for_sm90():
     """The Gluon decode kernel (no CPU interpreter exists for Gluon) at head_dim 64 / 128 / 256, with and without the
     PDL chain: float16 tensor-core mma, TMA page copies, cp.async scale copies that arrive on the ring's barrier,
     warp specialization, int8 operands read as 32-bit words (not bytes), shared memory for two programs per
-    multiprocessor, and, in the chain, the L2 prefetch before the wait."""
+    multiprocessor, in the chain the L2 prefetch before the wait, and with WARP_RELEASE a math warp's tile loop
+    without a barrier across the warps, its ring barriers' offsets readable from the PTX (the launch needs them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", WS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -215,6 +225,12 @@ def test_decode_ws_kernel_compiles_for_sm90():
         assert (r["pdl_trigger"] >= 1) == r["chain"], r
         assert (r["atomics"] > 0) == r["merge"], r  # the merge counters: only where the kernel merges its splits
         assert 2 * r["shared"] <= HOPPER_SMEM, r
+        if r["warp_release"]:
+            ready, empty = r["offsets"]
+            assert ready != empty and max(ready, empty) + 8 * r["stages"] <= r["shared"], r
+            assert r["loop_len"] > 0 and r["loop_bar_syncs"] == 0, r
+        else:  # Gluon's waits: the launch's bind finds no offsets to fill in, and the loop syncs the warps
+            assert r["offsets"] is None and r["loop_len"] == 0, r
         if not r["chain"]:  # EIGHTBIT_PDL_CHAIN=0 restores the old launch: no prefetch
             assert r["prefetch"] == 0, r
             continue
