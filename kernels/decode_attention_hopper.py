@@ -587,8 +587,8 @@ PREFETCH_TILES = 1
 # barriers' shared-memory offsets, which the launch reads from the compiled PTX, _bind_ring_barriers). Gluon's
 # wait and arrive come with a barrier across the four math warps before each (Triton 3.6), so every tile waited
 # for its slowest warp twice. H200, same process, ABBA (attention.md, thirty-fourth session), % of the copy
-# bandwidth: batch >= 32 and 16 x >= 8k 81-94 -> 90-100, outputs equal bit for bit; 16 x 2k, 8 x 8k and 1 x 32k
-# within 2.5 points. Not measured on an H100.
+# bandwidth: batch >= 32 and 16 x >= 8k 80-90 -> 90-103, outputs equal bit for bit; 16 x 2k, 8 x 8k and 1 x 32k
+# within 3 points, 4 x 2k 1 point slower. Not measured on an H100.
 WARP_RELEASE = True
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
