@@ -542,11 +542,13 @@ def ring_barrier_offsets(ptx):
 
 
 def _bind_ring_barriers(kernel):
-    """FastLauncher's bind: the offsets _wait_slot and _release_slot address. Where they cannot be read (another
-    Triton's PTX), the kernel with Gluon's own barrier waits (WARP_RELEASE off), and a warning."""
-    if not WARP_RELEASE:  # switched off: nothing to fill in
+    """FastLauncher's bind: the offsets _wait_slot and _release_slot address in this compiled kernel. Where they
+    cannot be read (another Triton's PTX, or no kernel: a compile hook declined it), the kernel with Gluon's own
+    barrier waits (WARP_RELEASE off), and a warning."""
+    ptx = kernel.asm["ptx"] if kernel is not None else ""
+    if kernel is not None and "wait_slot:" not in ptx:  # compiled without WARP_RELEASE: nothing to fill in
         return {}
-    offsets = ring_barrier_offsets(kernel.asm["ptx"])
+    offsets = ring_barrier_offsets(ptx)
     if offsets is None:
         warnings.warn("decode_attention_hopper: the ring barriers' shared-memory offsets are not in this Triton's "
                       "PTX; the int8 decode kernel runs without WARP_RELEASE (a few points of bandwidth slower)")
@@ -587,8 +589,8 @@ PREFETCH_TILES = 1
 # barriers' shared-memory offsets, which the launch reads from the compiled PTX, _bind_ring_barriers). Gluon's
 # wait and arrive come with a barrier across the four math warps before each (Triton 3.6), so every tile waited
 # for its slowest warp twice. H200, same process, ABBA (attention.md, thirty-fourth session), % of the copy
-# bandwidth: batch >= 32 and 16 x >= 8k 80-90 -> 90-103, outputs equal bit for bit; 16 x 2k, 8 x 8k and 1 x 32k
-# within 3 points, 4 x 2k 1 point slower. Not measured on an H100.
+# bandwidth: batch >= 32 and 16 x >= 8k 80-90 -> 90-103; 16 x 2k, 8 x 8k and 1 x 32k within 3 points, 4 x 2k 1
+# point slower. Outputs equal bit for bit (a GPU test). Not measured on an H100.
 WARP_RELEASE = True
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)

@@ -4,8 +4,9 @@
 argument, the cache key, the lookup) before the ~5 µs driver launch. An eager prefill step
 of Llama-3-8B launches ~300 Triton kernels and was host-bound because of it (H200: GPU busy
 ~11 ms of a ~20 ms batch-1 step). `FastLauncher` keeps the CompiledKernel the first launch
-returned and launches it directly next time, under a key that mirrors what Triton
-specializes a kernel on:
+returned and launches it directly next time (with a `bind` hook, the arguments it fills in, and
+possibly the kernel of another constexpr value: FastLauncher.__init__), under a key that mirrors
+what Triton specializes a kernel on:
 
     constexpr parameter         its value
     tensor                      dtype, and whether the address is 16-byte aligned

@@ -971,7 +971,8 @@ def test_gpu_decode_ws_merge_reads_only_splits_with_keys():
 def test_gpu_decode_ws_warp_release_matches_gluon_waits(monkeypatch, splits, small_grid):
     """WARP_RELEASE (each math warp waits for and gives back its ring slot itself, on barrier offsets the launch
     reads from the PTX) against Gluon's own waits: the same outputs bit for bit, with a persistent grid too (7
-    SMs: warps run ahead across work items), and the launch did find the offsets."""
+    SMs: the ring's phases carry on across work items), and the launch did find the offsets. Where it cannot (a
+    Triton whose PTX it does not read), it warns and runs Gluon's waits, with the same outputs."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import decode_attention_hopper as H
 
@@ -984,13 +985,21 @@ def test_gpu_decode_ws_warp_release_matches_gluon_waits(monkeypatch, splits, sma
     sc = Scenario(seqs, 32, 8, 128, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=5)
     q = torch.randn(len(seqs), 32, 128, device="cuda", dtype=torch.bfloat16)
     args = (q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5)
-    per_warp = decode_attention_splits(*args, splits)
     names = H._launch_kernel.names
-    on = names.index("WARP_RELEASE")  # a constexpr: its value is in the launch key
-    bound = [fixed for key, (_, fixed) in H._launch_kernel.compiled.items() if key[1][0][on] is True]
+    monkeypatch.setattr(H._launch_kernel, "compiled", {})  # only this call's kernels below
+    per_warp = decode_attention_splits(*args, splits)
+    bound = [fixed for _, fixed in H._launch_kernel.compiled.values()]
     assert bound and all({names[i] for i, _ in fixed} == {"ready_off", "empty_off"} for fixed in bound)
+    assert all(v > 0 for fixed in bound for _, v in fixed)
     monkeypatch.setattr(H, "WARP_RELEASE", False)
     torch.testing.assert_close(decode_attention_splits(*args, splits), per_warp, rtol=0, atol=0)
+    monkeypatch.setattr(H, "WARP_RELEASE", True)
+    monkeypatch.setattr(H._launch_kernel, "compiled", {})
+    monkeypatch.setattr(H, "ring_barrier_offsets", lambda ptx: None)
+    with pytest.warns(UserWarning, match="without WARP_RELEASE"):
+        fallback = decode_attention_splits(*args, splits)
+    assert all([names[i] for i, _ in fixed] == ["WARP_RELEASE"] for _, fixed in H._launch_kernel.compiled.values())
+    torch.testing.assert_close(fallback, per_warp, rtol=0, atol=0)
 
 
 def _gpu_int8_caches(g, blocks, page, hkv, d):

@@ -157,9 +157,14 @@ WS_SCRIPT = textwrap.dedent(
 
     fn = H._decode_ws_kernel
     results = []
-    def _between(ptx, start, end):
-        i = ptx.find(start)
-        return ptx[i:ptx.find(end, i)] if i >= 0 else ""
+    def _tile_loop(ptx):
+        # the math warps' tile loop: from the label of the block holding the slot wait to the branch back to it
+        i = ptx.find("wait_slot:")
+        if i < 0:
+            return ""
+        label = re.findall(r"^(\$L__BB\d+_\d+):", ptx[:i], re.M)[-1]
+        end = re.search(r"bra(?:\.uni)?\s+" + re.escape(label) + ";", ptx[i:])
+        return ptx[ptx.rfind(label + ":", 0, i):i + end.end()] if end else ""
 
     # (split, merge, head_dim, query heads per kv head, the PDL chain, WARP_RELEASE)
     cases = [(False, False, 128, 4, True, True), (True, False, 128, 4, True, True), (True, True, 128, 4, True, True),
@@ -186,10 +191,10 @@ WS_SCRIPT = textwrap.dedent(
         k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
         ptx = k.asm["ptx"]
-        # a math warp's tile loop, from its slot wait to its release
-        loop = _between(ptx, "wait_slot:", "@lead mbarrier.arrive")
+        loop = _tile_loop(ptx)
         results.append(dict(split=split, merge=merge, d=d, chain=chain, warp_release=warp_release, stages=H.STAGES,
                             offsets=H.ring_barrier_offsets(ptx), loop_len=len(loop),
+                            loop_release="@lead mbarrier.arrive" in loop,
                             loop_bar_syncs=loop.count("bar.sync"), atomics=ptx.count("atom.global"),
                             shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
                             mma=ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
@@ -228,7 +233,7 @@ def test_decode_ws_kernel_compiles_for_sm90():
         if r["warp_release"]:
             ready, empty = r["offsets"]
             assert ready != empty and max(ready, empty) + 8 * r["stages"] <= r["shared"], r
-            assert r["loop_len"] > 0 and r["loop_bar_syncs"] == 0, r
+            assert r["loop_len"] > 0 and r["loop_release"] and r["loop_bar_syncs"] == 0, r
         else:  # Gluon's waits: the launch's bind finds no offsets to fill in, and the loop syncs the warps
             assert r["offsets"] is None and r["loop_len"] == 0, r
         if not r["chain"]:  # EIGHTBIT_PDL_CHAIN=0 restores the old launch: no prefetch
