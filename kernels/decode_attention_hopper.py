@@ -87,10 +87,13 @@ def _i8_to_f16(x):
 
 
 @gluon.jit
-def _wait_slot(ready_off, slot, phase):
-    """This thread waits for the slot's copies (ready[slot] completing the given phase): the barrier addressed by its
-    shared-memory offset, in inline PTX, because Gluon's wait comes with a barrier across the partition's warps
-    (module docstring, WARP_RELEASE)."""
+def _wait_slot(ready, ready_off, slot, phase, WARP_RELEASE: gl.constexpr):
+    """Wait for the slot's copies (ready[slot] completing the given phase). With WARP_RELEASE each thread waits by
+    itself, on the barrier addressed by its shared-memory offset in inline PTX, because Gluon's wait comes with a
+    barrier across the partition's warps (module docstring)."""
+    if not WARP_RELEASE:
+        mbarrier.wait(ready.index(slot), phase)
+        return
     gl.inline_asm_elementwise(
         "{\n\t.reg .pred done;\n\t.reg .b32 bar;\n\tmov.u32 bar, global_smem;\n\tadd.u32 bar, bar, $1;\n"
         "\twait_slot:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [bar], $2;\n\t@!done bra.uni wait_slot;\n"
@@ -99,9 +102,14 @@ def _wait_slot(ready_off, slot, phase):
 
 
 @gluon.jit
-def _release_slot(empty_off, slot):
-    """This warp is done with the slot: once all its lanes are (bar.warp.sync also orders their shared-memory
-    reads before lane 0's arrival, a release), lane 0 arrives on empty[slot], which counts CONSUMERS arrivals."""
+def _release_slot(empty, empty_off, slot, WARP_RELEASE: gl.constexpr):
+    """Give the slot back to the producer. With WARP_RELEASE each warp does so once all its lanes are done
+    (bar.warp.sync also orders their shared-memory reads before lane 0's arrival, a release): lane 0 arrives on
+    empty[slot], which counts CONSUMERS arrivals. Without it, every warp has read the slot before one arrival."""
+    if not WARP_RELEASE:
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot))
+        return
     gl.inline_asm_elementwise(
         "{\n\t.reg .pred lead;\n\t.reg .b32 bar, lane;\n\tbar.warp.sync -1;\n\tmov.u32 lane, %laneid;\n"
         "\tsetp.eq.u32 lead, lane, 0;\n\tmov.u32 bar, global_smem;\n\tadd.u32 bar, bar, $1;\n"
@@ -343,10 +351,7 @@ def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_o
         gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(1, qk_l))), 0)  # [W, PAGE]
     for tile_start in range(start, end, TILE):
         slot = it % STAGES
-        if WARP_RELEASE:
-            _wait_slot(ready_off, slot, (it // STAGES) & 1)
-        else:
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        _wait_slot(ready, ready_off, slot, (it // STAGES) & 1, WARP_RELEASE)
         k = k_bufs.index(slot).permute((0, 2, 1)).load(gl.DotOperandLayout(1, MMA, KW))  # [W, D, PAGE] int8
         part = mma_v2(q, _i8_to_f16(k), gl.zeros([W, ROWS, PAGE], gl.float32, MMA))
         part4 = gl.convert_layout(gl.reshape(part, [W, QPK_PAD, NG, PAGE]), l4)
@@ -368,11 +373,7 @@ def _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_o
         v = v_bufs.index(slot).permute((0, 2, 1)).load(gl.DotOperandLayout(1, MMA, KW))  # [W, PAGE, D]
         pa = gl.convert_layout(px.to(gl.float16), gl.DotOperandLayout(0, MMA, KW))
         acc = mma_v2(pa, _i8_to_f16(v), acc)
-        if WARP_RELEASE:  # each warp gives the slot back when it is done with it (its page)
-            _release_slot(empty_off, slot)
-        else:  # every warp has read the slot before it goes back to the producer
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(slot))
+        _release_slot(empty, empty_off, slot, WARP_RELEASE)
         it += 1
 
     # row (r, g) of acc is valid at group g's columns only
@@ -545,10 +546,9 @@ def _bind_ring_barriers(kernel):
     """FastLauncher's bind: the offsets _wait_slot and _release_slot address in this compiled kernel. Where they
     cannot be read (another Triton's PTX, or no kernel: a compile hook declined it), the kernel with Gluon's own
     barrier waits (WARP_RELEASE off), and a warning."""
-    ptx = kernel.asm["ptx"] if kernel is not None else ""
-    if kernel is not None and "wait_slot:" not in ptx:  # compiled without WARP_RELEASE: nothing to fill in
+    if kernel is not None and "wait_slot:" not in kernel.asm["ptx"]:  # compiled without WARP_RELEASE
         return {}
-    offsets = ring_barrier_offsets(ptx)
+    offsets = ring_barrier_offsets(kernel.asm["ptx"]) if kernel is not None else None
     if offsets is None:
         warnings.warn("decode_attention_hopper: the ring barriers' shared-memory offsets are not in this Triton's "
                       "PTX; the int8 decode kernel runs without WARP_RELEASE (a few points of bandwidth slower)")
