@@ -13,7 +13,8 @@
    bf16 over a paged cache (random block permutation) and over an identity table (contiguous), vs SDPA
    bf16 on contiguous [B, Hkv, S, D]; each timed by replaying a CUDA graph of calls over several cache
    copies (so small shapes do not sit in L2), pass after pass for ~2 ms a replay (REPLAY_MS). Bytes = the values
-   + scales read.
+   + scales read. Beside it the read ceiling of the int8 call's bytes: a kernel that only reads that many bytes,
+   timed the same way (eval/read_ceiling.py), what the call could reach at best at that size.
 Writes DIR/attention_bench.json and prints a short table last.
 """
 
@@ -478,11 +479,28 @@ def main():
             except Exception as e:
                 r = dict(batch=bsz, ctx=ctx, error=repr(e)[:300])
                 torch.cuda.empty_cache()
+            if "int8_bytes" in r:
+                r.update(read_ceiling_of(r["int8_bytes"]))
             results["decode"].append(r)
             print("decode", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             save()
     save()
     print_tables(results)
+
+
+def read_ceiling_of(nbytes):
+    """{read_ceiling_GBs, read_ceiling_ms}: the best read-only kernel over nbytes (eval/read_ceiling.py), timed as the
+    decode calls are, over enough rotated buffers to exceed L2; {read_ceiling_error} if it could not run (the decode
+    numbers stand without it)."""
+    from eightbit.eval.read_ceiling import read_ceiling
+
+    try:
+        c = read_ceiling(nbytes, lambda fns: time_graph(fns) * 1e3,
+                         max(1, min(64, math.ceil(L2_ROTATE_BYTES / nbytes))))
+    except Exception as e:  # a missing ceiling column must not cost the decode row
+        torch.cuda.empty_cache()
+        return dict(read_ceiling_error=repr(e)[:200])
+    return dict(read_ceiling_GBs=c["gbs"], read_ceiling_ms=c["us"] / 1e3)
 
 
 def print_tables(res):
@@ -506,7 +524,7 @@ def print_tables(res):
               f" | {heads}")
     print("\ndecode d=128 32q/8kv, GB/s (% of copy bw); ratios")
     print(f"{'B':>4} {'ctx':>6} {'sp i8/bf':>9} | {'int8 paged':>15} {'int8 ctg':>8} | {'bf16 paged':>15} {'bf16 ctg':>8} | "
-          f"{'sdpa bf16':>15} | {'i8/sdpa t':>9} {'bf16 pg/ctg':>11} | {'int8 ms':>8}")
+          f"{'sdpa bf16':>15} | {'i8/sdpa t':>9} {'bf16 pg/ctg':>11} | {'int8 ms':>8} | {'read ceiling':>15}")
     for r in res["decode"]:
         if "error" in r:
             print(r)
@@ -519,7 +537,7 @@ def print_tables(res):
               f"{g('ours_int8_contig_GBs'):8.0f} | {g('ours_bf16_paged_GBs'):7.0f} ({100 * g('ours_bf16_paged_GBs') / bw:4.0f}%) "
               f"{g('ours_bf16_contig_GBs'):8.0f} | {g('sdpa_bf16_GBs'):7.0f} ({100 * g('sdpa_bf16_GBs') / bw:4.0f}%) | "
               f"{g('sdpa_bf16_ms') / g('ours_int8_paged_ms'):9.2f} {g('ours_bf16_contig_ms') / g('ours_bf16_paged_ms'):11.2f} | "
-              f"{g('ours_int8_paged_ms'):8.4f}")
+              f"{g('ours_int8_paged_ms'):8.4f} | {g('read_ceiling_GBs'):7.0f} ({100 * g('read_ceiling_GBs') / bw:4.0f}%)")
 
 
 if __name__ == "__main__":

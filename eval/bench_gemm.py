@@ -14,6 +14,8 @@ linear shapes (qkv, o, gate_up, down) and M in {1, 8, ..., 8192}:
   before finishes, as a decode GEMM's do behind its producer in the engine
 * ours_gemm_nochain  the same without the chain: a call starts when the one before has ended, as cuBLAS's do
 * ours  quant_per_token + int8_gemm (what a linear layer without a fused producer costs)
+* read ceiling  per shape, a kernel that only reads the int8 weight bytes (eval/read_ceiling.py), timed the same
+  way: what a weight-bound GEMM of that size can reach on this card (at 25 MB well below the copy bandwidth)
 
 With --sweep START:STOP:STEP it times only quant_per_token + int8_gemm against bf16 at those M (on --sweep-shapes,
 by default Llama-3.2-1B and Llama-3-8B qkv and o) and lists the cells slower than bf16: the "never slower at any M"
@@ -311,14 +313,28 @@ def main(argv=None):
                     f"ours {r['ours']:9.1f}us  gemm {r['ours_gemm']:9.1f}us  x{r['bf16'] / r['ours']:.2f}",
                     flush=True,
                 )
+    ceilings = read_ceilings(models)
     copy_end = copy_bandwidth()
     print(f"copy bandwidth at the end: {copy_end:.0f} GB/s", flush=True)
     rows = [] if args.decode else bench_rows(copy_gbs)
-    write_results(args, dict(device=dev_name, copy_gbs=copy_gbs, linear=lin, rows=rows),
-                  render_markdown(dev_name, copy_gbs, lin, rows))
+    write_results(args, dict(device=dev_name, copy_gbs=copy_gbs, linear=lin, rows=rows, read_ceiling=ceilings),
+                  render_markdown(dev_name, copy_gbs, lin, rows, ceilings))
 
 
-def render_markdown(dev_name, copy_gbs, lin, rows):
+def read_ceilings(models):
+    """Per shape, the best read-only kernel over the int8 weight bytes (eval/read_ceiling.py), timed as our GEMM."""
+    from eightbit.eval.read_ceiling import read_ceiling
+
+    out = []
+    for model, shapes in models.items():
+        for name, (n, k) in shapes.items():
+            c = read_ceiling(n * k, time_graph, n_copies(n * k))
+            out.append(dict(model=model, op=name, n=n, k=k, **c))
+            print(f"{model:12s} {name:8s} read ceiling {c['gbs']:7.0f} GB/s ({c['us']:.1f} us)", flush=True)
+    return out
+
+
+def render_markdown(dev_name, copy_gbs, lin, rows, ceilings=()):
     out = [f"Device: {dev_name}; device-to-device copy {copy_gbs:.0f} GB/s (read + write). "
            f"int8 peak taken as {INT8_PEAK_TOPS:.0f} TOP/s.", ""]
     out.append("`gemm` is timed GEMM after GEMM in the PDL chain (sm_90: each call starts while the one before "
@@ -344,10 +360,31 @@ def render_markdown(dev_name, copy_gbs, lin, rows):
             f"{opt(nc and 100 * r['n'] * r['k'] / nc / 1e3 / copy_gbs, '{:.0f}%')} | {r['us_bf16'] / r['us_ours']:.2f} | "
             f"{r['us_bf16'] / r['us_ours_gemm']:.2f} | {opt(nc and r['us_bf16'] / nc, '{:.2f}')} | "
             f"{opt(im and im / r['us_ours_gemm'], '{:.2f}')} |")
+    out += render_ceilings(copy_gbs, lin, ceilings)
     out += ["", "| fused op | M | row | µs | GB/s | % copy bw |", "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['op']} | {r['m']} | {r['n']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f}% |")
     return "\n".join(out) + "\n"
+
+
+def render_ceilings(copy_gbs, lin, ceilings):
+    """The read ceiling per shape beside our GEMM's weight bandwidth at the smallest M of the run."""
+    if not ceilings:
+        return []
+    small = sorted({r["m"] for r in lin if r["m"] <= 16})
+    pct = {(r["model"], r["op"], r["m"]): 100 * r["wgbs_ours_gemm"] / copy_gbs for r in lin}
+    out = ["", "Read ceiling: a kernel that only reads the shape's int8 weight bytes, timed as `gemm` is (best of a "
+           "few launch geometries; eval/read_ceiling.py): about what a weight-bound GEMM of that size can reach (ours, "
+           "in the PDL chain, passes it by a few points at some shapes).", "",
+           "| model | op | weight MB | read µs | read GB/s | read % copy bw | geometry | "
+           + " | ".join(f"gemm % copy bw, M = {m}" for m in small) + " |",
+           "|---|---|---:|---:|---:|---:|---|" + "---:|" * len(small)]
+    for c in ceilings:
+        cells = [f"{pct[(c['model'], c['op'], m)]:.0f}%" if (c["model"], c["op"], m) in pct else "—" for m in small]
+        out.append(f"| {c['model']} | {c['op']} | {c['n'] * c['k'] / 1e6:.1f} | {c['us']:.1f} | {c['gbs']:.0f} | "
+                   f"{100 * c['gbs'] / copy_gbs:.0f}% | {c['programs']} × {c['warps']} warps × {c['step_bytes'] // 1024} KB"
+                   " | " + " | ".join(cells) + " |")
+    return out
 
 
 if __name__ == "__main__":
