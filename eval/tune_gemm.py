@@ -106,9 +106,13 @@ def candidates(m):
         # 16 columns on one or two warps: more programs per SM, each with its own loads in flight; at M = 8-16
         # they beat the committed entries on the 8B qkv / o and 1B qkv / o shapes by 3-8 %, 8B down by 1.5 %
         # (H100, gemm.md, fifteenth session)
-        for bk, st, w in ((256, 6, 1), (256, 8, 1), (512, 4, 2), (512, 6, 2)):
+        for bk, st, w in ((256, 6, 1), (256, 8, 1), (512, 4, 2), (512, 6, 2), (512, 3, 1), (512, 4, 1), (512, 3, 2)):
             for sk in (1, 2):
                 out.append(C(bm, 16, bk, 1, sk, w, st))
+        # 512-wide K steps on one or two warps (above) and 32 columns on two warps: on an H200 they beat the table at
+        # 8B qkv / o with M = 8 (16 x 32 x 512, 2 warps: 61-63 -> 73 % and 51 -> 59 % of the copy bandwidth) and by
+        # 1-3 points at 8B qkv / down and 1B qkv with M = 16 (gemm.md, thirty-fifth session; unmeasured on an H100)
+        out.append(C(bm, 32, 512, 1, 1, 2, 3))
         gb = m if m in GEMV_TILES else (8 if m <= 16 else None)
         if gb is not None:
             for bn, bk, w in GEMV_TILES[gb]:
