@@ -126,7 +126,7 @@ class ModelRunner:
         layers = {(m.out_features, m.in_features, m.bias is None, m.out_dtype): m for m in self.model.modules()
                   if isinstance(m, Linear) and m.quantized}
         for layer in layers.values():
-            for m in variant_sizes(layer.out_features, layer.in_features, max_tokens):
+            for m in variant_sizes(layer.out_features, layer.in_features, max_tokens, self.device):
                 x = torch.zeros(m, layer.in_features, dtype=torch.int8, device=self.device)
                 ops.int8_gemm(x, torch.ones(m, 1, device=self.device), layer.weight, layer.weight_scale, layer.bias,
                               layer.out_dtype)

@@ -207,7 +207,16 @@ def main(argv=None):
     mode.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
     mode.add_argument("--behind-quant", action="store_true",
                       help="time each candidate behind quant_per_token in the PDL chain (check the picks in the engine)")
+    mode.add_argument("--device-overrides", metavar="TABLE",
+                      help="no tuning: file TABLE's entries (a table tune_gemm wrote on another card) that differ from "
+                           "the committed table, in --buckets if given, become that card's own entries in "
+                           "kernels/gemm_configs_by_device.json (check them in the engine first)")
     args = ap.parse_args(argv)
+    if args.device_overrides:
+        from eightbit.kernels import gemm_configs as gc
+
+        buckets = {int(b) for b in args.buckets.split(",") if b} or None
+        return write_device_entries(args.device_overrides, gc.TABLE_PATH, gc.BY_DEVICE_PATH, buckets)
     if args.behind_quant and not args.buckets:
         ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")
     if not torch.cuda.is_available():
@@ -366,6 +375,49 @@ def _write_table(path, entries, t0, note=None):
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
     print(f"wrote {len(entries)} entries to {path} in {time.time() - t0:.0f}s")
+
+
+def _launch_of(entry):
+    """What an entry launches: its config's key and PDL (a missing mark: the launch rule, int8_gemm._pdl)."""
+    from eightbit.kernels.gemm_configs import GemmConfig
+    from eightbit.kernels.int8_gemm import PDL_MAX_M
+
+    cfg = GemmConfig(**entry["config"])
+    pdl = cfg.pdl if cfg.pdl is not None else (entry["m_bucket"] <= PDL_MAX_M and cfg.kernel != "ws")
+    return cfg.key(), pdl
+
+
+def write_device_entries(table_path, base_path, out_path, buckets=None):
+    """The entries of the table at table_path (its "device" names the card) that launch differently from the
+    committed table at base_path, in `buckets` if given, become that card's section of the per-device file at
+    out_path; its entries in those buckets that no longer differ are dropped, other buckets and cards kept."""
+    with open(table_path) as f:
+        table = json.load(f)
+    with open(base_path) as f:
+        base = {(e["m_bucket"], e["n"], e["k"]): e for e in json.load(f)["configs"]}
+    device = table.get("device")
+    if not device:
+        raise SystemExit(f"{table_path} names no device: write it with tune_gemm on the card it is for")
+    data = {}
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            data = json.load(f)
+
+    def key(e):
+        return e["m_bucket"], e["n"], e["k"]
+
+    mine = {key(e): e for e in data.get(device, {}).get("configs", [])
+            if buckets is None or e["m_bucket"] not in buckets}
+    for e in table["configs"]:
+        if (buckets is None or e["m_bucket"] in buckets) and (
+                key(e) not in base or _launch_of(e) != _launch_of(base[key(e)])):
+            mine[key(e)] = e
+    data[device] = dict(source=os.path.basename(table_path), date=table.get("date"), triton=table.get("triton"),
+                        torch=table.get("torch"), configs=sorted(mine.values(), key=key))
+    with open(out_path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"{device}: {len(mine)} entries of its own in {out_path}")
+    return 0
 
 
 def _load_entries(path):

@@ -6,6 +6,11 @@ GPU and writes `gemm_configs.json` beside this file; `get_config` reads it once
 (lazily, at the first call) and falls back to `default_config` for shapes the
 table does not hold.
 
+The table is tuned on one card (its "device" field). `gemm_configs_by_device.json` holds, per device name
+(`torch.cuda.get_device_name()`), the entries where another card measured a different config faster in the
+engine (`tune_gemm --device-overrides` writes them); on that card they take precedence. EIGHTBIT_GEMM_BY_DEVICE=0
+(read at import) or USE_DEVICE_ENTRIES = False ignores them.
+
 M is bucketed: a config tuned at bucket B serves every M in (previous bucket, B].
 A config names its kernel: "dot" (the tiled tensor-core kernel, any M), "gemv" (the dp4a
 weight-streaming kernel for M <= 8: block_m is then the activation rows per program, 1-8) or "ws"
@@ -14,6 +19,7 @@ weight-streaming kernel for M <= 8: block_m is then the activation rows per prog
 of two, e.g. 192; falls back to "dot" elsewhere).
 """
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -29,6 +35,8 @@ import triton
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536, 2048, 3072,
              4096, 6144, 8192)
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs.json")
+BY_DEVICE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs_by_device.json")
+USE_DEVICE_ENTRIES = os.environ.get("EIGHTBIT_GEMM_BY_DEVICE", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,11 @@ def dot_config(m, n, k, num_sms=132):
 
 
 _table = None
+_by_device = None
+
+
+def _entries(configs):
+    return {(e["m_bucket"], e["n"], e["k"]): GemmConfig(**e["config"]) for e in configs}
 
 
 def _load_table():
@@ -124,22 +137,63 @@ def _load_table():
         table = {}
         if os.path.exists(TABLE_PATH):
             with open(TABLE_PATH) as f:
-                data = json.load(f)
-            for entry in data.get("configs", []):
-                table[(entry["m_bucket"], entry["n"], entry["k"])] = GemmConfig(**entry["config"])
+                table = _entries(json.load(f).get("configs", []))
         _table = table
     return _table
 
 
-def table_entries():
-    """{(m_bucket, n, k): GemmConfig} of the committed table."""
-    return dict(_load_table())
+def _load_by_device():
+    """{device name: {(m_bucket, n, k): GemmConfig}} of gemm_configs_by_device.json."""
+    global _by_device
+    if _by_device is None:
+        by_device = {}
+        if os.path.exists(BY_DEVICE_PATH):
+            with open(BY_DEVICE_PATH) as f:
+                by_device = {name: _entries(d.get("configs", [])) for name, d in json.load(f).items()}
+        _by_device = by_device
+    return _by_device
 
 
-def get_config(m, n, k):
-    """The committed config for this shape's bucket, else (M <= 16, dot default) the table's next larger
-    bucket up to 16, else the default."""
-    table = _load_table()
+_merged = {}
+
+
+def _table_for(device_name):
+    """The table with the device's own entries in place (cached per name: get_config runs at every launch)."""
+    key = device_name if USE_DEVICE_ENTRIES else None
+    if key not in _merged:
+        _merged[key] = {**_load_table(), **_load_by_device().get(key, {})} if key is not None else _load_table()
+    return _merged[key]
+
+
+def device_entries(device_name):
+    """The entries that replace the table's on this device (none when USE_DEVICE_ENTRIES is off)."""
+    if not USE_DEVICE_ENTRIES or device_name is None:
+        return {}
+    return dict(_load_by_device().get(device_name, {}))
+
+
+def table_entries(device_name=None):
+    """{(m_bucket, n, k): GemmConfig} of the committed table, with the device's own entries in place."""
+    return dict(_table_for(device_name))
+
+
+@functools.lru_cache(maxsize=None)
+def device_name_of(device):
+    """The name the per-device entries are filed under: torch.cuda.get_device_name for a CUDA device, else None."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def devices_with_entries():
+    """The device names gemm_configs_by_device.json holds entries for."""
+    return sorted(_load_by_device())
+
+
+def get_config(m, n, k, device_name=None):
+    """The committed config for this shape's bucket (the device's own entry first), else (M <= 16, dot default)
+    the table's next larger bucket up to 16, else the default."""
+    table = _table_for(device_name)
     b = m_bucket(m)
     cfg = table.get((b, n, k))
     if cfg is not None:

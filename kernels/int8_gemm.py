@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eightbit.kernels.gemm_configs import GemmConfig, dot_config, get_config
+from eightbit.kernels.gemm_configs import GemmConfig, device_name_of, dot_config, get_config
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
 from eightbit.kernels.pdl import allow_dependents, chain_enabled, pdl_enabled, prefetch_l2, wait_for_previous_kernel
 from eightbit.kernels.scratch import zeroed_scratch
@@ -557,7 +557,7 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     """int8_gemm with an explicit GemmConfig (tuning, tests) and an optional preallocated out [M, N]. See int8_gemm
     for writing w_q right before a call."""
     m, n, k = _check(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-    cfg = config if config is not None else get_config(m, n, k)
+    cfg = config if config is not None else get_config(m, n, k, device_name_of(x_q.device))
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:
@@ -598,14 +598,15 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     return out
 
 
-def variant_sizes(n, k, max_m):
+def variant_sizes(n, k, max_m, device=None):
     """Values of M, at most max_m, at which int8_gemm launches every kernel variant it launches for [M, K] x [N, K]
-    with M in [1, max_m]: each M's config (a table entry or a default, which can vary inside a bucket), whether it
-    gets PDL, and Triton's specializations of M (== 1, % 16 == 0; the Gluon kernel's M is not exempted). Smallest M
-    first; ModelRunner.compile_gemms launches them before serving."""
+    with M in [1, max_m] on `device`: each M's config (a table entry or a default, which can vary inside a bucket),
+    whether it gets PDL, and Triton's specializations of M (== 1, % 16 == 0; the Gluon kernel's M is not exempted).
+    Smallest M first; ModelRunner.compile_gemms launches them before serving."""
+    name = device_name_of(torch.device(device)) if device is not None else None
     sizes = {}
     for m in range(1, max_m + 1):
-        cfg = get_config(m, n, k)
+        cfg = get_config(m, n, k, name)
         sizes.setdefault((cfg.key(), cfg.pdl, m <= PDL_MAX_M, m <= TRIGGER_AHEAD_MAX_M, m == 1, m % 16 == 0), m)
     return sorted(sizes.values())
 

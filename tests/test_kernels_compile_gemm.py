@@ -27,6 +27,9 @@ def _gemm_jobs():
     shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
     for (mb, n, k), cfg in gc.table_entries().items():
         jobs.add((cfg, k % cfg.block_k == 0))
+    for name in gc.devices_with_entries():  # the per-device entries (gemm_configs_by_device.json)
+        for (mb, n, k), cfg in gc.device_entries(name).items():
+            jobs.add((cfg, k % cfg.block_k == 0))
     for n, k in shapes:
         for m in gc.M_BUCKETS:
             cfg = gc.default_config(m, n, k)

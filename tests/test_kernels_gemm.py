@@ -310,13 +310,7 @@ def test_gemm_rejects_bad_inputs_cpu():
         int8_gemm(xq, xs, wq, ws, out_dtype=torch.int32)
 
 
-def test_config_table_is_well_formed():
-    with open(gemm_configs.TABLE_PATH) as f:  # the committed table, as installed: a missing file fails here
-        entries = json.load(f)["configs"]
-    table = gemm_configs.table_entries()
-    assert len(table) == len(entries) > 0  # one entry per (bucket, n, k), none lost when read
-    first = entries[0]
-    assert table[(first["m_bucket"], first["n"], first["k"])] == gemm_configs.GemmConfig(**first["config"])
+def _assert_entries_well_formed(table):
     for (mb, n, k), cfg in table.items():
         assert mb in gemm_configs.M_BUCKETS and n > 0 and k > 0
         if cfg.kernel == "gemv":
@@ -326,11 +320,64 @@ def test_config_table_is_well_formed():
             assert cfg.kernel == "dot" or cfg.split_k == 1
             assert cfg.kernel != "ws" or (cfg.block_m == 128 and cfg.num_warps == 4)
         assert cfg.pdl is None or isinstance(cfg.pdl, bool)
+
+
+def test_config_table_is_well_formed():
+    with open(gemm_configs.TABLE_PATH) as f:  # the committed table, as installed: a missing file fails here
+        entries = json.load(f)["configs"]
+    table = gemm_configs.table_entries()
+    assert len(table) == len(entries) > 0  # one entry per (bucket, n, k), none lost when read
+    first = entries[0]
+    assert table[(first["m_bucket"], first["n"], first["k"])] == gemm_configs.GemmConfig(**first["config"])
+    _assert_entries_well_formed(table)
     assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(3) == 4 and gemm_configs.m_bucket(17) == 32
     assert gemm_configs.m_bucket(100000) == gemm_configs.M_BUCKETS[-1]
     for m in (1, 3, 8, 64, 65, 5000):
         cfg = gemm_configs.get_config(m, 4096, 4096)
         assert cfg.block_k >= 32 and (cfg.kernel != "gemv" or m <= 8 * cfg.block_m)
+
+
+def test_per_device_entries_are_well_formed_and_replace_the_tables_on_their_device():
+    with open(gemm_configs.BY_DEVICE_PATH) as f:  # committed, as installed
+        files = json.load(f)
+    assert files and set(files) == set(gemm_configs.devices_with_entries())
+    for name, section in files.items():
+        own = gemm_configs.device_entries(name)
+        assert len(own) == len(section["configs"]) > 0
+        _assert_entries_well_formed(own)
+        merged = gemm_configs.table_entries(name)
+        assert merged == {**gemm_configs.table_entries(), **own}
+        (mb, n, k), cfg = next(iter(own.items()))
+        assert gemm_configs.get_config(mb, n, k, name) == cfg
+
+
+def test_device_entries_take_precedence_only_on_their_device(monkeypatch):
+    base = gemm_configs.table_entries()
+    (mb, n, k) = next(key for key in base if key[0] == 8)
+    mine = GemmConfig(16, 32, 512, 1, 1, 2, 3)
+    assert base[(mb, n, k)] != mine
+    monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(mb, n, k): mine}})
+    monkeypatch.setattr(gemm_configs, "_merged", {})
+    assert gemm_configs.get_config(mb, n, k, "Fake GPU") == mine
+    assert gemm_configs.get_config(mb - 1, n, k, "Fake GPU") == mine  # M 5..8 share bucket 8
+    assert gemm_configs.get_config(mb, n, k, "Other GPU") == base[(mb, n, k)]
+    assert gemm_configs.get_config(mb, n, k) == base[(mb, n, k)]
+    monkeypatch.setattr(gemm_configs, "USE_DEVICE_ENTRIES", False)  # EIGHTBIT_GEMM_BY_DEVICE=0
+    assert gemm_configs.get_config(mb, n, k, "Fake GPU") == base[(mb, n, k)]
+    assert gemm_configs.device_entries("Fake GPU") == {}
+
+
+def test_variant_sizes_follow_the_devices_entries(monkeypatch):
+    from eightbit.kernels import int8_gemm as G
+
+    n, k = 6144, 4096
+    mine = GemmConfig(16, 32, 512, 1, 1, 2, 3)
+    monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(8, n, k): mine}})
+    monkeypatch.setattr(gemm_configs, "_merged", {})
+    monkeypatch.setattr(G, "device_name_of", lambda device: "Fake GPU" if device.type == "meta" else None)
+    on_fake = G.variant_sizes(n, k, 16, torch.device("meta"))
+    assert any(gemm_configs.get_config(m, n, k, "Fake GPU") == mine for m in on_fake)
+    assert not any(gemm_configs.get_config(m, n, k) == mine for m in G.variant_sizes(n, k, 16))
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (2048, 2048), (256, 128), (1000, 3000)])  # in the table, and not
@@ -483,6 +530,23 @@ def test_gemm_gpu_table_shapes(nk, m):
     one_m, one_n = torch.ones(m, 1, device="cuda"), torch.ones(n, 1, device="cuda")
     acc = int8_gemm(xq, one_m, wq, one_n, out_dtype=torch.float32)
     assert torch.equal(acc, R._int8_matmul(xq, wq).float())
+
+
+@gpu
+@needs_cuda
+def test_gemm_gpu_this_devices_entries():
+    """On a card with entries of its own (gemm_configs_by_device.json) int8_gemm's lookup returns them, and each
+    computes its shape exactly at its bucket's M; on any other card the lookup is the table's."""
+    name = gemm_configs.device_name_of(torch.device("cuda"))
+    own = gemm_configs.device_entries(name)
+    for (mb, n, k), cfg in gemm_configs.table_entries().items():
+        assert gemm_configs.get_config(mb, n, k, name) == own.get((mb, n, k), cfg)
+    g = _gen(7)
+    for (mb, n, k), cfg in own.items():
+        xq, wq = _int8((mb, k), g, "cuda"), _int8((n, k), g, "cuda")
+        one_m, one_n = torch.ones(mb, 1, device="cuda"), torch.ones(n, 1, device="cuda")
+        acc = int8_gemm(xq, one_m, wq, one_n, out_dtype=torch.float32)
+        assert torch.equal(acc, R._int8_matmul(xq, wq).float()), (name, mb, n, k, cfg)
 
 
 @gpu

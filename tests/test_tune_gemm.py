@@ -67,3 +67,54 @@ def test_tune_gemm_rejects_conflicting_modes(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not allowed with argument" in err and "--behind-quant needs --buckets" in err
     assert not out.exists()
+
+
+def _table_file(path, configs, device="NVIDIA H200"):
+    import json
+
+    path.write_text(json.dumps(dict(device=device, date="2026-11-28", configs=configs)))
+    return str(path)
+
+
+def _entry(mb, n, k, cfg, **extra):
+    return dict(m_bucket=mb, n=n, k=k, config=cfg.to_dict() | extra)
+
+
+def test_device_overrides_keep_only_what_launches_differently(tmp_path):
+    import json
+
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD), _entry(16, 64, 64, OLD), _entry(32, 64, 64, OLD),
+                                                _entry(8, 128, 64, OLD)], device="NVIDIA H100")
+    out = tmp_path / "by_device.json"
+    out.write_text(json.dumps({"Other GPU": {"configs": [_entry(8, 64, 64, NEW)]},
+                               "NVIDIA H200": {"configs": [_entry(32, 64, 64, OTHER), _entry(8, 128, 64, NEW)]}}))
+    tuned = _table_file(tmp_path / "h200.json", [
+        _entry(8, 64, 64, NEW, pdl=True),  # a new config: kept
+        _entry(16, 64, 64, OLD, pdl=True),  # the same config, marked as the rule launches it anyway: not kept
+        _entry(32, 64, 64, NEW),  # outside --buckets: not taken, the earlier entry there stays
+        _entry(8, 128, 64, OLD)])  # re-tuned back to the table's config: the earlier entry goes
+    assert tune_gemm.write_device_entries(tuned, base, str(out), buckets={8, 16}) == 0
+    data = json.loads(out.read_text())
+    assert data["Other GPU"] == {"configs": [_entry(8, 64, 64, NEW)]}
+    mine = {(e["m_bucket"], e["n"], e["k"]): GemmConfig(**e["config"]) for e in data["NVIDIA H200"]["configs"]}
+    assert mine == {(8, 64, 64): NEW, (32, 64, 64): OTHER}
+    assert data["NVIDIA H200"]["source"] == "h200.json"
+
+
+def test_device_overrides_need_a_table_that_names_its_device(tmp_path):
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD)])
+    tuned = _table_file(tmp_path / "t.json", [_entry(8, 64, 64, NEW)], device="")
+    with pytest.raises(SystemExit, match="names no device"):
+        tune_gemm.write_device_entries(tuned, base, str(tmp_path / "o.json"))
+
+
+def test_device_overrides_run_without_a_gpu(tmp_path, monkeypatch):
+    from eightbit.kernels import gemm_configs as gc
+
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD)])
+    tuned = _table_file(tmp_path / "t.json", [_entry(8, 64, 64, NEW)])
+    monkeypatch.setattr(gc, "TABLE_PATH", base)
+    monkeypatch.setattr(gc, "BY_DEVICE_PATH", str(tmp_path / "o.json"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune_gemm.main(["--device-overrides", tuned, "--buckets", "8"]) == 0
+    assert "NVIDIA H200" in (tmp_path / "o.json").read_text()
