@@ -37,6 +37,8 @@ def words_read(words, programs):
 
 def read_words(src, out, programs, warps, block):
     """XOR of each program's share of the int32 buffer src into out[program] (out: >= programs int32 words)."""
+    if src.dtype != torch.int32 or not src.is_contiguous() or out.dtype != torch.int32 or out.numel() < programs:
+        raise ValueError(f"read_words needs a contiguous int32 src and an int32 out of >= {programs} words")
     per_program = words_read(src.numel(), programs) // programs
     if per_program == 0:
         raise ValueError(f"{src.numel()} words are too few for {programs} programs of 16-word shares")

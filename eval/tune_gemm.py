@@ -215,7 +215,9 @@ def main(argv=None):
     if args.device_overrides:
         from eightbit.kernels import gemm_configs as gc
 
-        buckets = {int(b) for b in args.buckets.split(",") if b} or None
+        if not args.buckets:
+            ap.error("--device-overrides needs --buckets: the buckets whose entries were checked in the engine")
+        buckets = {int(b) for b in args.buckets.split(",") if b}
         return write_device_entries(args.device_overrides, gc.TABLE_PATH, gc.BY_DEVICE_PATH, buckets)
     if args.behind_quant and not args.buckets:
         ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")
@@ -387,17 +389,20 @@ def _launch_of(entry):
     return cfg.key(), pdl
 
 
-def write_device_entries(table_path, base_path, out_path, buckets=None):
-    """The entries of the table at table_path (its "device" names the card) that launch differently from the
-    committed table at base_path, in `buckets` if given, become that card's section of the per-device file at
-    out_path; its entries in those buckets that no longer differ are dropped, other buckets and cards kept."""
+def write_device_entries(table_path, base_path, out_path, buckets):
+    """The entries of the table at table_path (its "device" names the card) in `buckets` that launch differently
+    from the committed table at base_path become that card's entries in the per-device file at out_path; its earlier
+    entries in those buckets go, those in other buckets and other cards' stay (a card left with none is dropped)."""
     with open(table_path) as f:
         table = json.load(f)
     with open(base_path) as f:
-        base = {(e["m_bucket"], e["n"], e["k"]): e for e in json.load(f)["configs"]}
+        base_table = json.load(f)
+    base = {(e["m_bucket"], e["n"], e["k"]): e for e in base_table["configs"]}
     device = table.get("device")
     if not device:
         raise SystemExit(f"{table_path} names no device: write it with tune_gemm on the card it is for")
+    if device == base_table.get("device"):
+        raise SystemExit(f"the committed table was tuned on {device} itself: change the table, not its overrides")
     data = {}
     if os.path.exists(out_path):
         with open(out_path) as f:
@@ -406,14 +411,15 @@ def write_device_entries(table_path, base_path, out_path, buckets=None):
     def key(e):
         return e["m_bucket"], e["n"], e["k"]
 
-    mine = {key(e): e for e in data.get(device, {}).get("configs", [])
-            if buckets is None or e["m_bucket"] not in buckets}
+    mine = {key(e): e for e in data.get(device, {}).get("configs", []) if e["m_bucket"] not in buckets}
     for e in table["configs"]:
-        if (buckets is None or e["m_bucket"] in buckets) and (
-                key(e) not in base or _launch_of(e) != _launch_of(base[key(e)])):
+        if e["m_bucket"] in buckets and (key(e) not in base or _launch_of(e) != _launch_of(base[key(e)])):
             mine[key(e)] = e
-    data[device] = dict(source=os.path.basename(table_path), date=table.get("date"), triton=table.get("triton"),
-                        torch=table.get("torch"), configs=sorted(mine.values(), key=key))
+    if mine:
+        data[device] = dict(source=os.path.basename(table_path), date=table.get("date"), triton=table.get("triton"),
+                            torch=table.get("torch"), configs=sorted(mine.values(), key=key))
+    else:
+        data.pop(device, None)
     with open(out_path, "w") as f:
         json.dump(data, f, indent=1)
     print(f"{device}: {len(mine)} entries of its own in {out_path}")

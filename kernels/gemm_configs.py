@@ -19,7 +19,6 @@ weight-streaming kernel for M <= 8: block_m is then the activation rows per prog
 of two, e.g. 192; falls back to "dot" elsewhere).
 """
 
-import functools
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -148,17 +147,31 @@ def _load_by_device():
     if _by_device is None:
         by_device = {}
         if os.path.exists(BY_DEVICE_PATH):
-            with open(BY_DEVICE_PATH) as f:
-                by_device = {name: _entries(d.get("configs", [])) for name, d in json.load(f).items()}
+            try:
+                with open(BY_DEVICE_PATH) as f:
+                    by_device = {str(name): _entries(d["configs"]) for name, d in json.load(f).items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{BY_DEVICE_PATH} is not a map of device name -> {{'configs': [table entries]}}: "
+                                 f"{type(e).__name__}: {e}") from e
         _by_device = by_device
     return _by_device
 
 
-_merged = {}
+_merged = {}  # device name (None: the table alone) -> the table with its entries in place
+_memo = {}  # (m, n, k, device name, USE_DEVICE_ENTRIES) -> get_config's answer: it runs at every GEMM launch
+_MEMO_MAX = 1 << 14
+
+
+def reset_caches():
+    """Forget the loaded tables and every answer derived from them (after their files or these settings change)."""
+    global _table, _by_device
+    _table = _by_device = None
+    _merged.clear()
+    _memo.clear()
 
 
 def _table_for(device_name):
-    """The table with the device's own entries in place (cached per name: get_config runs at every launch)."""
+    """The table with the device's own entries in place."""
     key = device_name if USE_DEVICE_ENTRIES else None
     if key not in _merged:
         _merged[key] = {**_load_table(), **_load_by_device().get(key, {})} if key is not None else _load_table()
@@ -177,12 +190,31 @@ def table_entries(device_name=None):
     return dict(_table_for(device_name))
 
 
-@functools.lru_cache(maxsize=None)
-def device_name_of(device):
-    """The name the per-device entries are filed under: torch.cuda.get_device_name for a CUDA device, else None."""
-    import torch
+_names = {}  # CUDA device index -> name
 
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+def device_name_of_index(index):
+    """device_name_of for a tensor's get_device() (-1: not CUDA, None): cheap enough for every GEMM launch."""
+    if index < 0:
+        return None
+    name = _names.get(index)
+    if name is None:
+        import torch
+
+        name = _names[index] = torch.cuda.get_device_name(index)
+    return name
+
+
+def device_name_of(device):
+    """The name the per-device entries are filed under: torch.cuda.get_device_name for a CUDA device (one without an
+    index: the current one), else None."""
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        import torch
+
+        return device_name_of_index(torch.cuda.current_device())
+    return device_name_of_index(device.index)
 
 
 def devices_with_entries():
@@ -193,6 +225,16 @@ def devices_with_entries():
 def get_config(m, n, k, device_name=None):
     """The committed config for this shape's bucket (the device's own entry first), else (M <= 16, dot default)
     the table's next larger bucket up to 16, else the default."""
+    key = (m, n, k, device_name, USE_DEVICE_ENTRIES)
+    cfg = _memo.get(key)
+    if cfg is None:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
+        cfg = _memo[key] = _lookup(m, n, k, device_name)
+    return cfg
+
+
+def _lookup(m, n, k, device_name):
     table = _table_for(device_name)
     b = m_bucket(m)
     cfg = table.get((b, n, k))

@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eightbit.kernels.gemm_configs import GemmConfig, device_name_of, dot_config, get_config
+from eightbit.kernels.gemm_configs import GemmConfig, device_name_of, device_name_of_index, dot_config, get_config
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
 from eightbit.kernels.pdl import allow_dependents, chain_enabled, pdl_enabled, prefetch_l2, wait_for_previous_kernel
 from eightbit.kernels.scratch import zeroed_scratch
@@ -557,7 +557,7 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
     """int8_gemm with an explicit GemmConfig (tuning, tests) and an optional preallocated out [M, N]. See int8_gemm
     for writing w_q right before a call."""
     m, n, k = _check(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-    cfg = config if config is not None else get_config(m, n, k, device_name_of(x_q.device))
+    cfg = config if config is not None else get_config(m, n, k, device_name_of_index(x_q.get_device()))
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:

@@ -341,14 +341,16 @@ def test_per_device_entries_are_well_formed_and_replace_the_tables_on_their_devi
     with open(gemm_configs.BY_DEVICE_PATH) as f:  # committed, as installed
         files = json.load(f)
     assert files and set(files) == set(gemm_configs.devices_with_entries())
+    base = gemm_configs.table_entries()
     for name, section in files.items():
         own = gemm_configs.device_entries(name)
         assert len(own) == len(section["configs"]) > 0
         _assert_entries_well_formed(own)
-        merged = gemm_configs.table_entries(name)
-        assert merged == {**gemm_configs.table_entries(), **own}
-        (mb, n, k), cfg = next(iter(own.items()))
-        assert gemm_configs.get_config(mb, n, k, name) == cfg
+        for e in section["configs"]:  # read as written, PDL mark included (GemmConfig's == ignores it)
+            key = (e["m_bucket"], e["n"], e["k"])
+            assert gemm_configs.get_config(*key, name).to_dict() == GemmConfig(**e["config"]).to_dict()
+        other = next(key for key in base if key not in own)
+        assert gemm_configs.get_config(*other, name) is base[other]
 
 
 def test_device_entries_take_precedence_only_on_their_device(monkeypatch):
@@ -358,6 +360,7 @@ def test_device_entries_take_precedence_only_on_their_device(monkeypatch):
     assert base[(mb, n, k)] != mine
     monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(mb, n, k): mine}})
     monkeypatch.setattr(gemm_configs, "_merged", {})
+    monkeypatch.setattr(gemm_configs, "_memo", {})
     assert gemm_configs.get_config(mb, n, k, "Fake GPU") == mine
     assert gemm_configs.get_config(mb - 1, n, k, "Fake GPU") == mine  # M 5..8 share bucket 8
     assert gemm_configs.get_config(mb, n, k, "Other GPU") == base[(mb, n, k)]
@@ -367,6 +370,19 @@ def test_device_entries_take_precedence_only_on_their_device(monkeypatch):
     assert gemm_configs.device_entries("Fake GPU") == {}
 
 
+@pytest.mark.parametrize("text", ['[]', '{"NVIDIA H200": []}', '{"NVIDIA H200": {"configs": [{"m_bucket": 8}]}}',
+                                  '{"NVIDIA H200": {"configs": [{"m_bucket": 8, "n": 1, "k": 1, "config": {"x": 1}}]}}'])
+def test_a_malformed_per_device_file_is_named_in_the_error(tmp_path, monkeypatch, text):
+    bad = tmp_path / "by_device.json"
+    bad.write_text(text)
+    monkeypatch.setattr(gemm_configs, "BY_DEVICE_PATH", str(bad))
+    monkeypatch.setattr(gemm_configs, "_by_device", None)
+    monkeypatch.setattr(gemm_configs, "_merged", {})
+    monkeypatch.setattr(gemm_configs, "_memo", {})
+    with pytest.raises(ValueError, match="by_device.json is not a map of device name"):
+        gemm_configs.get_config(8, 6144, 4096, "Some GPU")
+
+
 def test_variant_sizes_follow_the_devices_entries(monkeypatch):
     from eightbit.kernels import int8_gemm as G
 
@@ -374,10 +390,33 @@ def test_variant_sizes_follow_the_devices_entries(monkeypatch):
     mine = GemmConfig(16, 32, 512, 1, 1, 2, 3)
     monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(8, n, k): mine}})
     monkeypatch.setattr(gemm_configs, "_merged", {})
+    monkeypatch.setattr(gemm_configs, "_memo", {})
     monkeypatch.setattr(G, "device_name_of", lambda device: "Fake GPU" if device.type == "meta" else None)
     on_fake = G.variant_sizes(n, k, 16, torch.device("meta"))
     assert any(gemm_configs.get_config(m, n, k, "Fake GPU") == mine for m in on_fake)
     assert not any(gemm_configs.get_config(m, n, k) == mine for m in G.variant_sizes(n, k, 16))
+
+
+def test_int8_gemm_launches_its_devices_entry(monkeypatch):
+    """int8_gemm looks its config up under the tensors' device name: a card's own entry is the one launched."""
+    from eightbit.kernels import int8_gemm as G
+
+    m, n, k = 8, 64, 512
+    mine = GemmConfig(16, 32, 512, 1, 1, 2, 3)
+    monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(8, n, k): mine}})
+    monkeypatch.setattr(gemm_configs, "_merged", {})
+    monkeypatch.setattr(gemm_configs, "_memo", {})
+    launched = []
+    real_launch = G._launch_dot
+    monkeypatch.setattr(G, "_launch_dot", lambda grid, args, **kw: launched.append(args) or real_launch(grid, args, **kw))
+    g = _gen(3)
+    xq, wq = _int8((m, k), g, "cpu"), _int8((n, k), g, "cpu")
+    one_m, one_n = torch.ones(m, 1), torch.ones(n, 1)
+    want = R._int8_matmul(xq, wq).float()
+    for name, block in ((None, (64, 256)), ("Fake GPU", (32, 512))):  # on the CPU no name: the default config
+        monkeypatch.setattr(G, "device_name_of_index", lambda index, name=name: name)
+        assert torch.equal(int8_gemm(xq, one_m, wq, one_n, out_dtype=torch.float32), want)
+        assert (launched[-1]["BLOCK_N"], launched[-1]["BLOCK_K"]) == block
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (2048, 2048), (256, 128), (1000, 3000)])  # in the table, and not
@@ -749,7 +788,8 @@ def test_pdl_chain_in_graph_matches_without_pdl(m):
         return y
 
     def gemm_pdl(q, s, w, ws):
-        return int8_gemm_with_config(q, s, w, ws, config=dataclasses.replace(get_config(m, *w.shape), pdl=True))
+        cfg = get_config(m, *w.shape, gemm_configs.device_name_of(w.device))
+        return int8_gemm_with_config(q, s, w, ws, config=dataclasses.replace(cfg, pdl=True))
 
     kernels = {"rmsnorm_quant": rmsnorm_quant, "silu_mul_quant": silu_mul_quant, "int8_gemm": gemm_pdl}
     chain(kernels)  # warm-up outside capture

@@ -112,3 +112,10 @@ def test_bench_attention_keeps_its_decode_row_when_the_ceiling_cannot_run(monkey
 
     monkeypatch.setattr(RC, "read_ceiling", broken)
     assert bench_attention.read_ceiling_of(100) == {"read_ceiling_error": "ValueError('too few')"}
+
+
+def test_read_words_refuses_what_it_cannot_read_or_hold():
+    with pytest.raises(ValueError, match="contiguous int32 src"):
+        RC.read_words(torch.zeros(4096, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), 4, 1, 256)
+    with pytest.raises(ValueError, match=">= 4 words"):
+        RC.read_words(torch.zeros(4096, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 4, 1, 256)

@@ -101,17 +101,38 @@ def test_device_overrides_keep_only_what_launches_differently(tmp_path):
     assert data["NVIDIA H200"]["source"] == "h200.json"
 
 
-def test_device_overrides_need_a_table_that_names_its_device(tmp_path):
-    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD)])
-    tuned = _table_file(tmp_path / "t.json", [_entry(8, 64, 64, NEW)], device="")
+def test_device_overrides_need_another_card_named(tmp_path):
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD)], device="NVIDIA H100")
+    unnamed = _table_file(tmp_path / "t.json", [_entry(8, 64, 64, NEW)], device="")
     with pytest.raises(SystemExit, match="names no device"):
-        tune_gemm.write_device_entries(tuned, base, str(tmp_path / "o.json"))
+        tune_gemm.write_device_entries(unnamed, base, str(tmp_path / "o.json"), {8})
+    same = _table_file(tmp_path / "s.json", [_entry(8, 64, 64, NEW)], device="NVIDIA H100")
+    with pytest.raises(SystemExit, match="tuned on NVIDIA H100 itself"):
+        tune_gemm.write_device_entries(same, base, str(tmp_path / "o.json"), {8})
+    assert not (tmp_path / "o.json").exists()  # nothing written
+
+
+def test_device_overrides_drop_a_card_left_without_entries(tmp_path):
+    import json
+
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD)], device="NVIDIA H100")
+    out = tmp_path / "o.json"
+    out.write_text(json.dumps({"NVIDIA H200": {"configs": [_entry(8, 64, 64, NEW)]}}))
+    back = _table_file(tmp_path / "t.json", [_entry(8, 64, 64, OLD)])
+    tune_gemm.write_device_entries(back, base, str(out), {8})
+    assert json.loads(out.read_text()) == {}
+
+
+def test_device_overrides_need_buckets(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tune_gemm.main(["--device-overrides", str(tmp_path / "t.json")])
+    assert exit_info.value.code == 2 and "--device-overrides needs --buckets" in capsys.readouterr().err
 
 
 def test_device_overrides_run_without_a_gpu(tmp_path, monkeypatch):
     from eightbit.kernels import gemm_configs as gc
 
-    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD)])
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD)], device="NVIDIA H100")
     tuned = _table_file(tmp_path / "t.json", [_entry(8, 64, 64, NEW)])
     monkeypatch.setattr(gc, "TABLE_PATH", base)
     monkeypatch.setattr(gc, "BY_DEVICE_PATH", str(tmp_path / "o.json"))
