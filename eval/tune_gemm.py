@@ -250,6 +250,8 @@ def main(argv=None):
     old_entries, note = _load_entries(args.out)
     old = {(e["m_bucket"], e["n"], e["k"]): e for e in old_entries}
     prev_table = {key: gc.GemmConfig(**e["config"]) for key, e in old.items()}
+    # the baseline is what this card runs now: its own entries (gemm_configs_by_device.json) where it has them
+    prev_table.update(gc.device_entries(gc.device_name_of(torch.device("cuda"))))
 
     def prev_of(mb, n, k):
         return previous_entry(prev_table, mb, n, k) or gc.dot_config(mb, n, k)
