@@ -37,6 +37,11 @@ GROUP = 32
 L2_ROTATE_BYTES = 256 << 20
 
 
+def rotated_copies(nbytes):
+    """How many copies of nbytes a timing rotates through: together past L2_ROTATE_BYTES, 1 to 64."""
+    return max(1, min(64, math.ceil(L2_ROTATE_BYTES / nbytes)))
+
+
 # --- timing ------------------------------------------------------------------------------
 
 
@@ -270,7 +275,7 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
     impls = impls or {"ours": decode_attention}
     nb_seq = ctx // PAGE
     per_copy_bf16 = batch * ctx * kv_bytes_per_token(d, "bf16")
-    copies = max(1, min(64, math.ceil(L2_ROTATE_BYTES / per_copy_bf16)))
+    copies = rotated_copies(per_copy_bf16)
     nblk = copies * batch * nb_seq
     perm = torch.randperm(nblk, device="cuda", dtype=torch.int32).view(copies, batch, nb_seq)
     ident = torch.arange(nblk, device="cuda", dtype=torch.int32).view(copies, batch, nb_seq)
@@ -495,8 +500,7 @@ def read_ceiling_of(nbytes):
     from eightbit.eval.read_ceiling import read_ceiling
 
     try:
-        c = read_ceiling(nbytes, lambda fns: time_graph(fns) * 1e3,
-                         max(1, min(64, math.ceil(L2_ROTATE_BYTES / nbytes))))
+        c = read_ceiling(nbytes, lambda fns: time_graph(fns) * 1e3, rotated_copies(nbytes))
     except Exception as e:  # a missing ceiling column must not cost the decode row
         torch.cuda.empty_cache()
         return dict(read_ceiling_error=repr(e)[:200])

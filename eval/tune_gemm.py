@@ -248,7 +248,7 @@ def main(argv=None):
     # the table being replaced (--out, else the one the package reads): its entries are timed again as a baseline
     # and the buckets not tuned now are kept (a non-editable install may not carry the package's json)
     old_entries, note = _load_entries(args.out)
-    old = {(e["m_bucket"], e["n"], e["k"]): e for e in old_entries}
+    old = {gc.entry_key(e): e for e in old_entries}
     prev_table = {key: gc.GemmConfig(**e["config"]) for key, e in old.items()}
     # the baseline is what this card runs now: its own entries (gemm_configs_by_device.json) where it has them
     prev_table.update(gc.device_entries(gc.device_name_of(torch.device("cuda"))))
@@ -382,24 +382,25 @@ def _write_table(path, entries, t0, note=None):
 
 
 def _launch_of(entry):
-    """What an entry launches: its config's key and PDL (a missing mark: the launch rule, int8_gemm._pdl)."""
+    """What an entry launches: its config's key and PDL (a missing mark: int8_gemm's rule)."""
     from eightbit.kernels.gemm_configs import GemmConfig
-    from eightbit.kernels.int8_gemm import PDL_MAX_M
+    from eightbit.kernels.int8_gemm import pdl_by_rule
 
     cfg = GemmConfig(**entry["config"])
-    pdl = cfg.pdl if cfg.pdl is not None else (entry["m_bucket"] <= PDL_MAX_M and cfg.kernel != "ws")
-    return cfg.key(), pdl
+    return cfg.key(), cfg.pdl if cfg.pdl is not None else pdl_by_rule(entry["m_bucket"], cfg)
 
 
 def write_device_entries(table_path, base_path, out_path, buckets):
     """The entries of the table at table_path (its "device" names the card) in `buckets` that launch differently
     from the committed table at base_path become that card's entries in the per-device file at out_path; its earlier
     entries in those buckets go, those in other buckets and other cards' stay (a card left with none is dropped)."""
+    from eightbit.kernels import gemm_configs as gc
+
     with open(table_path) as f:
         table = json.load(f)
     with open(base_path) as f:
         base_table = json.load(f)
-    base = {(e["m_bucket"], e["n"], e["k"]): e for e in base_table["configs"]}
+    base = {gc.entry_key(e): e for e in base_table["configs"]}
     device = table.get("device")
     if not device:
         raise SystemExit(f"{table_path} names no device: write it with tune_gemm on the card it is for")
@@ -410,16 +411,14 @@ def write_device_entries(table_path, base_path, out_path, buckets):
         with open(out_path) as f:
             data = json.load(f)
 
-    def key(e):
-        return e["m_bucket"], e["n"], e["k"]
-
-    mine = {key(e): e for e in data.get(device, {}).get("configs", []) if e["m_bucket"] not in buckets}
+    mine = {gc.entry_key(e): e for e in data.get(device, {}).get("configs", []) if e["m_bucket"] not in buckets}
     for e in table["configs"]:
-        if e["m_bucket"] in buckets and (key(e) not in base or _launch_of(e) != _launch_of(base[key(e)])):
-            mine[key(e)] = e
+        key = gc.entry_key(e)
+        if e["m_bucket"] in buckets and (key not in base or _launch_of(e) != _launch_of(base[key])):
+            mine[key] = e
     if mine:
         data[device] = dict(source=os.path.basename(table_path), date=table.get("date"), triton=table.get("triton"),
-                            torch=table.get("torch"), configs=sorted(mine.values(), key=key))
+                            torch=table.get("torch"), configs=sorted(mine.values(), key=gc.entry_key))
     else:
         data.pop(device, None)
     with open(out_path, "w") as f:

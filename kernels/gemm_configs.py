@@ -23,6 +23,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+import torch
 import triton
 
 # 384 ... 6144 between the powers of two: an M tuned for the next bucket up can fill its last wave badly (1B o at
@@ -126,8 +127,13 @@ _table = None
 _by_device = None
 
 
+def entry_key(entry):
+    """A table entry's (m_bucket, n, k)."""
+    return entry["m_bucket"], entry["n"], entry["k"]
+
+
 def _entries(configs):
-    return {(e["m_bucket"], e["n"], e["k"]): GemmConfig(**e["config"]) for e in configs}
+    return {entry_key(e): GemmConfig(**e["config"]) for e in configs}
 
 
 def _load_table():
@@ -162,14 +168,6 @@ _memo = {}  # (m, n, k, device name, USE_DEVICE_ENTRIES) -> get_config's answer:
 _MEMO_MAX = 1 << 14
 
 
-def reset_caches():
-    """Forget the loaded tables and every answer derived from them (after their files or these settings change)."""
-    global _table, _by_device
-    _table = _by_device = None
-    _merged.clear()
-    _memo.clear()
-
-
 def _table_for(device_name):
     """The table with the device's own entries in place."""
     key = device_name if USE_DEVICE_ENTRIES else None
@@ -199,8 +197,6 @@ def device_name_of_index(index):
         return None
     name = _names.get(index)
     if name is None:
-        import torch
-
         name = _names[index] = torch.cuda.get_device_name(index)
     return name
 
@@ -210,11 +206,7 @@ def device_name_of(device):
     index: the current one), else None."""
     if device.type != "cuda":
         return None
-    if device.index is None:
-        import torch
-
-        return device_name_of_index(torch.cuda.current_device())
-    return device_name_of_index(device.index)
+    return device_name_of_index(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def devices_with_entries():

@@ -474,6 +474,11 @@ _PDL_LAUNCH = (dict(PDL=True, LATE_TRIGGER=False), {"launch_pdl": True})
 _CHAIN_LAUNCH = (dict(PDL=True, LATE_TRIGGER=True), {"launch_pdl": True})
 
 
+def pdl_by_rule(m, cfg):
+    """PDL for a config without a table mark: the Triton kernels up to PDL_MAX_M rows."""
+    return m <= PDL_MAX_M and cfg.kernel != "ws"
+
+
 def _pdl(device, m, cfg):
     """(constexprs, launch options): launched with PDL on sm_90 where the config says so (a table entry's mark,
     measured with the chain), else up to PDL_MAX_M rows for the Triton kernels; in the chain (kernels/pdl.py)
@@ -483,7 +488,7 @@ def _pdl(device, m, cfg):
         return _PLAIN_LAUNCH
     chain = chain_enabled(device)
     # the marks were measured with the chain: without it the rule alone holds (the twelfth session's launches)
-    wanted = cfg.pdl if cfg.pdl is not None and chain else (m <= PDL_MAX_M and cfg.kernel != "ws")
+    wanted = cfg.pdl if cfg.pdl is not None and chain else pdl_by_rule(m, cfg)
     if not wanted:
         return _PLAIN_LAUNCH
     return _CHAIN_LAUNCH if chain else _PDL_LAUNCH

@@ -353,14 +353,19 @@ def test_per_device_entries_are_well_formed_and_replace_the_tables_on_their_devi
         assert gemm_configs.get_config(*other, name) is base[other]
 
 
+def _device_entries_for_test(monkeypatch, by_device):
+    """gemm_configs as if gemm_configs_by_device.json held by_device (None: read it again), its caches empty."""
+    monkeypatch.setattr(gemm_configs, "_by_device", by_device)
+    monkeypatch.setattr(gemm_configs, "_merged", {})
+    monkeypatch.setattr(gemm_configs, "_memo", {})
+
+
 def test_device_entries_take_precedence_only_on_their_device(monkeypatch):
     base = gemm_configs.table_entries()
     (mb, n, k) = next(key for key in base if key[0] == 8)
     mine = GemmConfig(16, 32, 512, 1, 1, 2, 3)
     assert base[(mb, n, k)] != mine
-    monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(mb, n, k): mine}})
-    monkeypatch.setattr(gemm_configs, "_merged", {})
-    monkeypatch.setattr(gemm_configs, "_memo", {})
+    _device_entries_for_test(monkeypatch, {"Fake GPU": {(mb, n, k): mine}})
     assert gemm_configs.get_config(mb, n, k, "Fake GPU") == mine
     assert gemm_configs.get_config(mb - 1, n, k, "Fake GPU") == mine  # M 5..8 share bucket 8
     assert gemm_configs.get_config(mb, n, k, "Other GPU") == base[(mb, n, k)]
@@ -376,9 +381,7 @@ def test_a_malformed_per_device_file_is_named_in_the_error(tmp_path, monkeypatch
     bad = tmp_path / "by_device.json"
     bad.write_text(text)
     monkeypatch.setattr(gemm_configs, "BY_DEVICE_PATH", str(bad))
-    monkeypatch.setattr(gemm_configs, "_by_device", None)
-    monkeypatch.setattr(gemm_configs, "_merged", {})
-    monkeypatch.setattr(gemm_configs, "_memo", {})
+    _device_entries_for_test(monkeypatch, None)
     with pytest.raises(ValueError, match="by_device.json is not a map of device name"):
         gemm_configs.get_config(8, 6144, 4096, "Some GPU")
 
@@ -388,9 +391,7 @@ def test_variant_sizes_follow_the_devices_entries(monkeypatch):
 
     n, k = 6144, 4096
     mine = GemmConfig(16, 32, 512, 1, 1, 2, 3)
-    monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(8, n, k): mine}})
-    monkeypatch.setattr(gemm_configs, "_merged", {})
-    monkeypatch.setattr(gemm_configs, "_memo", {})
+    _device_entries_for_test(monkeypatch, {"Fake GPU": {(8, n, k): mine}})
     monkeypatch.setattr(G, "device_name_of", lambda device: "Fake GPU" if device.type == "meta" else None)
     on_fake = G.variant_sizes(n, k, 16, torch.device("meta"))
     assert any(gemm_configs.get_config(m, n, k, "Fake GPU") == mine for m in on_fake)
@@ -403,9 +404,7 @@ def test_int8_gemm_launches_its_devices_entry(monkeypatch):
 
     m, n, k = 8, 64, 512
     mine = GemmConfig(16, 32, 512, 1, 1, 2, 3)
-    monkeypatch.setattr(gemm_configs, "_by_device", {"Fake GPU": {(8, n, k): mine}})
-    monkeypatch.setattr(gemm_configs, "_merged", {})
-    monkeypatch.setattr(gemm_configs, "_memo", {})
+    _device_entries_for_test(monkeypatch, {"Fake GPU": {(8, n, k): mine}})
     launched = []
     real_launch = G._launch_dot
     monkeypatch.setattr(G, "_launch_dot", lambda grid, args, **kw: launched.append(args) or real_launch(grid, args, **kw))
