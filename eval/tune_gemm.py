@@ -393,7 +393,8 @@ def _launch_of(entry):
 def write_device_entries(table_path, base_path, out_path, buckets):
     """The entries of the table at table_path (its "device" names the card) in `buckets` that launch differently
     from the committed table at base_path become that card's entries in the per-device file at out_path; its earlier
-    entries in those buckets go, those in other buckets and other cards' stay (a card left with none is dropped)."""
+    entries in those buckets go, those in other buckets and other cards' stay (a card left with none is dropped).
+    Each filed entry records its source table and that table's date."""
     from eightbit.kernels import gemm_configs as gc
 
     with open(table_path) as f:
@@ -415,10 +416,10 @@ def write_device_entries(table_path, base_path, out_path, buckets):
     for e in table["configs"]:
         key = gc.entry_key(e)
         if e["m_bucket"] in buckets and (key not in base or _launch_of(e) != _launch_of(base[key])):
-            mine[key] = e
-    if mine:
-        data[device] = dict(source=os.path.basename(table_path), date=table.get("date"), triton=table.get("triton"),
-                            torch=table.get("torch"), configs=sorted(mine.values(), key=gc.entry_key))
+            mine[key] = dict(e, source=os.path.basename(table_path), date=table.get("date"))
+    if mine:  # each entry names the table it came from; the card's entries may come from several filings
+        data[device] = dict(triton=table.get("triton"), torch=table.get("torch"),
+                            configs=sorted(mine.values(), key=gc.entry_key))
     else:
         data.pop(device, None)
     with open(out_path, "w") as f:

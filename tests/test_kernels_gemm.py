@@ -574,17 +574,19 @@ def test_gemm_gpu_table_shapes(nk, m):
 @needs_cuda
 def test_gemm_gpu_this_devices_entries():
     """On a card with entries of its own (gemm_configs_by_device.json) int8_gemm's lookup returns them, and each
-    computes its shape exactly at its bucket's M; on any other card the lookup is the table's."""
+    computes its shape exactly at its bucket's M and at a partial tile of rows (M = bucket - 3, the same bucket
+    from 5 rows up); on any other card the lookup is the table's."""
     name = gemm_configs.device_name_of(torch.device("cuda"))
     own = gemm_configs.device_entries(name)
     for (mb, n, k), cfg in gemm_configs.table_entries().items():
         assert gemm_configs.get_config(mb, n, k, name) == own.get((mb, n, k), cfg)
     g = _gen(7)
     for (mb, n, k), cfg in own.items():
-        xq, wq = _int8((mb, k), g, "cuda"), _int8((n, k), g, "cuda")
-        one_m, one_n = torch.ones(mb, 1, device="cuda"), torch.ones(n, 1, device="cuda")
-        acc = int8_gemm(xq, one_m, wq, one_n, out_dtype=torch.float32)
-        assert torch.equal(acc, R._int8_matmul(xq, wq).float()), (name, mb, n, k, cfg)
+        for m in sorted({mb, max(1, mb - 3)}):
+            xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
+            one_m, one_n = torch.ones(m, 1, device="cuda"), torch.ones(n, 1, device="cuda")
+            acc = int8_gemm(xq, one_m, wq, one_n, out_dtype=torch.float32)
+            assert torch.equal(acc, R._int8_matmul(xq, wq).float()), (name, m, n, k, cfg)
 
 
 @gpu

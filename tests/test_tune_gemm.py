@@ -98,7 +98,8 @@ def test_device_overrides_keep_only_what_launches_differently(tmp_path):
     assert data["Other GPU"] == {"configs": [_entry(8, 64, 64, NEW)]}
     mine = {(e["m_bucket"], e["n"], e["k"]): GemmConfig(**e["config"]) for e in data["NVIDIA H200"]["configs"]}
     assert mine == {(8, 64, 64): NEW, (32, 64, 64): OTHER}
-    assert data["NVIDIA H200"]["source"] == "h200.json"
+    sources = {(e["m_bucket"], e["n"], e["k"]): e.get("source") for e in data["NVIDIA H200"]["configs"]}
+    assert sources == {(8, 64, 64): "h200.json", (32, 64, 64): None}  # an entry kept from before keeps its own
 
 
 def test_device_overrides_need_another_card_named(tmp_path):
