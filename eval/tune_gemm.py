@@ -11,9 +11,10 @@ quant_per_token + the GEMM, with PDL in the chain (a GEMM's time depends on how 
 produces its input; the committed buckets 128-256 were tuned this way). An entry keeps its config's measured PDL
 mark where the config stays; any other is marked "pdl": true, as it was timed, and the entry says "timed":
 "behind_quant" (its times include the quantization). Run --pdl on the same buckets afterwards to measure the
-marks. Check its picks in the engine before committing them: quant_per_token stands in for every producer (the
-engine has rmsnorm_quant before qkv and gate_up, silu_mul_quant before down), and at buckets 2-4 the entries it
-picked, each faster here, made the 8B engine 1-3 % slower (docs/benchmarks/engine.md, run 50).
+marks. Check its picks in the engine before committing them (eval/ab_gemm_table.py): at buckets 1-4 the entries
+it picked, each faster here, made the 8B engine 1-3 % slower on an H100 and an H200 (docs/benchmarks/engine.md,
+runs 50 and 54), and timing them behind the engine's own producers (rmsnorm_quant, silu_mul_quant) instead of
+quant_per_token ranks them no differently (gemm.md, thirty-sixth session).
 
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
 the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
@@ -432,7 +433,7 @@ def _load_entries(path):
     """(entries, note) of the table at path, else of the one the package reads; ([], None) if neither exists."""
     from eightbit.kernels import gemm_configs as gc
 
-    for p in (path, gc.TABLE_PATH):
+    for p in (path, gc.table_path()):
         if os.path.exists(p):
             with open(p) as f:
                 data = json.load(f)

@@ -9,7 +9,9 @@ table does not hold.
 The table is tuned on one card (its "device" field). `gemm_configs_by_device.json` holds, per device name
 (`torch.cuda.get_device_name()`), the entries where another card measured a different config faster in the
 engine (`tune_gemm --device-overrides` writes them); on that card they take precedence. EIGHTBIT_GEMM_BY_DEVICE=0
-(read at import) or USE_DEVICE_ENTRIES = False ignores them.
+(read at import) or USE_DEVICE_ENTRIES = False ignores them. EIGHTBIT_GEMM_TABLE=PATH (read at the first lookup)
+reads another table in place of the committed one, for an engine A/B of a candidate table
+(eval/ab_gemm_table.py); a card's own entries still apply on top of it.
 
 M is bucketed: a config tuned at bucket B serves every M in (previous bucket, B].
 A config names its kernel: "dot" (the tiled tensor-core kernel, any M), "gemv" (the dp4a
@@ -34,7 +36,8 @@ import triton
 # bucket 1536's entry)
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536, 2048, 3072,
              4096, 6144, 8192)
-TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs.json")
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs.json")  # the committed table
+TABLE_ENV = "EIGHTBIT_GEMM_TABLE"
 BY_DEVICE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_configs_by_device.json")
 USE_DEVICE_ENTRIES = os.environ.get("EIGHTBIT_GEMM_BY_DEVICE", "1") != "0"
 
@@ -136,13 +139,24 @@ def _entries(configs):
     return {entry_key(e): GemmConfig(**e["config"]) for e in configs}
 
 
+def table_path():
+    """The table get_config reads: $EIGHTBIT_GEMM_TABLE if set, else the committed one."""
+    return os.environ.get(TABLE_ENV) or TABLE_PATH
+
+
 def _load_table():
     global _table
     if _table is None:
-        table = {}
-        if os.path.exists(TABLE_PATH):
-            with open(TABLE_PATH) as f:
-                table = _entries(json.load(f).get("configs", []))
+        path, table = table_path(), {}
+        if path != TABLE_PATH and not os.path.isfile(path):
+            raise FileNotFoundError(f"{TABLE_ENV}={path}: no such file (unset it to use the committed table)")
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    table = _entries(json.load(f)["configs"])
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path} is not a GEMM table ({{'configs': [table entries]}}): "
+                                 f"{type(e).__name__}: {e}") from e
         _table = table
     return _table
 

@@ -1,0 +1,150 @@
+"""Engine A/B of a GEMM table: does a candidate table make the engine's decode faster than the table in use?
+
+    python -m eightbit.eval.ab_gemm_table CANDIDATE.json [--baseline TABLE.json] [--batch-sizes 1,4,32,64]
+        [--rounds 2] [--model llama-3-8b] [--prompt-len 512] [--new-tokens 64] [--out DIR]
+
+Small-M GEMM configs cannot be ranked for the engine by timing them alone, behind quant_per_token or behind the
+engine's own producer: on an H200 an 8B o config 2-3.5 % faster in all three timings made batch-1 decode 2.2 %
+slower (docs/benchmarks/gemm.md, thirty-sixth session). So a re-tuned table is checked in the engine before its
+entries are filed. Each arm runs `bench_cli run --benches latency` in a fresh process with EIGHTBIT_GEMM_TABLE
+set to its table, in the order baseline, candidate, candidate, baseline each round, and the decode-step bandwidth
+(bench_engine's achieved_gbs: the steps whose M is the batch size, so the steps one M bucket runs) is compared per
+batch size. A batch size's candidate wins when every candidate run beats every baseline run, loses when every one
+is slower, and is otherwise within the runs' spread. A card's own entries (gemm_configs_by_device.json) apply in
+both arms, so their buckets compare equal. Prints the table, writes it with every run's numbers to OUT/ab.json,
+and names the buckets whose every batch size won (`tune_gemm --device-overrides CANDIDATE --buckets ...` files
+them as the card's own entries).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from eightbit.eval.bench_common import load_records
+from eightbit.kernels.gemm_configs import TABLE_ENV, m_bucket, table_path
+
+ORDER = ("baseline", "candidate", "candidate", "baseline")
+
+
+def check_table(path):
+    """A readable GEMM table ({"configs": [...]}) at path, else SystemExit naming what is wrong."""
+    try:
+        with open(path) as f:
+            configs = json.load(f)["configs"]
+        if not isinstance(configs, list):
+            raise TypeError("'configs' is not a list")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path} is not a GEMM table ({{'configs': [entries]}}): {type(e).__name__}: {e}") from e
+    return os.path.abspath(path)
+
+
+def decode_gbs(out_dir):
+    """{batch size: achieved GB/s over the decode steps} of the latency records in out_dir."""
+    return {r["batch"]: r["achieved_gbs"] for r in load_records([out_dir])
+            if r.get("bench") == "latency" and r.get("ok") and r.get("achieved_gbs")}
+
+
+def run_arm(table, out_dir, args):
+    """One fresh engine process on table; its decode GB/s per batch size."""
+    cmd = [sys.executable, "-m", "eightbit.eval.bench_cli", "run", "--system", "eightbit-int8", "--model", args.model,
+           "--benches", "latency", "--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len),
+           "--new-tokens", str(args.new_tokens), "--out", out_dir]
+    done = subprocess.run(cmd, env=dict(os.environ, **{TABLE_ENV: table}))
+    if done.returncode != 0:
+        raise SystemExit(f"the engine run on {table} failed (exit code {done.returncode}); its output is in {out_dir}")
+    return decode_gbs(out_dir)
+
+
+def verdict(base, cand):
+    if min(cand) > max(base):
+        return "wins"
+    if max(cand) < min(base):
+        return "loses"
+    return "within the spread"
+
+
+def compare(runs, batch_sizes):
+    """Per batch size: its M bucket, each arm's GB/s, the change of the means and the verdict."""
+    rows = []
+    for b in batch_sizes:
+        base = [r["gbs"][b] for r in runs if r["arm"] == "baseline" and b in r["gbs"]]
+        cand = [r["gbs"][b] for r in runs if r["arm"] == "candidate" and b in r["gbs"]]
+        if not base or not cand:
+            rows.append(dict(batch=b, bucket=m_bucket(b), baseline=base, candidate=cand, change=None,
+                             verdict="not measured"))
+            continue
+        change = (sum(cand) / len(cand)) / (sum(base) / len(base)) - 1
+        rows.append(dict(batch=b, bucket=m_bucket(b), baseline=base, candidate=cand, change=change,
+                         verdict=verdict(base, cand)))
+    return rows
+
+
+def winning_buckets(rows):
+    """Buckets where the candidate won at every batch size measured in them."""
+    by_bucket = {}
+    for r in rows:
+        by_bucket.setdefault(r["bucket"], []).append(r["verdict"])
+    return sorted(b for b, vs in by_bucket.items() if all(v == "wins" for v in vs))
+
+
+def _gbs(values):
+    return " / ".join(f"{x:,.0f}" for x in values) or "—"
+
+
+def render(rows, candidate):
+    lines = ["| batch | M bucket | baseline decode GB/s | candidate decode GB/s | change | candidate |",
+             "|---:|---:|---|---|---:|---|"]
+    for r in rows:
+        change = f"{100 * r['change']:+.1f} %" if r["change"] is not None else "—"
+        lines.append(f"| {r['batch']} | {r['bucket']} | {_gbs(r['baseline'])} | {_gbs(r['candidate'])} | {change} | "
+                     f"{r['verdict']} |")
+    won = winning_buckets(rows)
+    lines.append("")
+    lines.append(f"won in every run: buckets {','.join(map(str, won))} (file them: python -m eightbit.eval.tune_gemm "
+                 f"--device-overrides {candidate} --buckets {','.join(map(str, won))})" if won
+                 else "no bucket won in every run")
+    return "\n".join(lines)
+
+
+def main(argv=None, run=run_arm):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("candidate", help="the table to check (tune_gemm --out)")
+    ap.add_argument("--baseline", default=None, help="default: the table in use (EIGHTBIT_GEMM_TABLE or the committed)")
+    ap.add_argument("--batch-sizes", default="1,4,32,64")
+    ap.add_argument("--rounds", type=int, default=2, help="each round: baseline, candidate, candidate, baseline")
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or ".", "ab_gemm_table"))
+    args = ap.parse_args(argv)
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    except ValueError:
+        ap.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+    if not batch_sizes or min(batch_sizes) < 1 or args.rounds < 1:
+        ap.error("need at least one batch size >= 1 and --rounds >= 1")
+    tables = dict(baseline=check_table(args.baseline or table_path()), candidate=check_table(args.candidate))
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        raise SystemExit(f"{args.out} is not empty (an earlier A/B?): give another --out")
+    if not torch.cuda.is_available():
+        raise SystemExit("ab_gemm_table compares GEMM tables in the engine on a CUDA GPU, and this machine has none")
+    os.makedirs(args.out, exist_ok=True)
+    runs = []
+    for i, arm in enumerate(ORDER * args.rounds):
+        gbs = run(tables[arm], os.path.join(args.out, f"{i:02d}_{arm}"), args)
+        runs.append(dict(arm=arm, gbs=gbs))
+        print(f"[ab] run {i + 1}/{len(ORDER) * args.rounds} {arm}: " +
+              ", ".join(f"batch {b} {g:,.0f} GB/s" for b, g in sorted(gbs.items())), flush=True)
+    rows = compare(runs, batch_sizes)
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump(dict(tables=tables, args=vars(args), runs=runs, rows=rows), f, indent=1)
+    print(render(rows, args.candidate))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""EIGHTBIT_GEMM_TABLE (another table in place of the committed one) and the engine A/B of two tables
+(eval/ab_gemm_table.py), with the engine runs faked: what each run is given, how the runs are judged, and the
+refusals."""
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from eightbit.eval import ab_gemm_table as ab
+from eightbit.kernels import gemm_configs as gc
+from eightbit.kernels.gemm_configs import GemmConfig
+
+MINE = GemmConfig(16, 32, 512, 1, 1, 2, 3)
+
+
+def _fresh_caches(monkeypatch):
+    for name, empty in (("_table", None), ("_merged", {}), ("_memo", {})):
+        monkeypatch.setattr(gc, name, empty)
+
+
+def _table(path, entries):
+    path.write_text(json.dumps(dict(device="Fake GPU", configs=[
+        dict(m_bucket=mb, n=n, k=k, config=cfg.to_dict()) for (mb, n, k), cfg in entries.items()])))
+    return str(path)
+
+
+def test_the_env_table_replaces_the_committed_one(tmp_path, monkeypatch):
+    committed = gc.table_entries()
+    (mb, n, k), cfg = next((key, c) for key, c in committed.items() if key[0] == 8)
+    assert cfg != MINE
+    monkeypatch.setenv(gc.TABLE_ENV, _table(tmp_path / "t.json", {(mb, n, k): MINE}))
+    _fresh_caches(monkeypatch)
+    assert gc.table_path() == str(tmp_path / "t.json")
+    assert gc.get_config(mb, n, k) == MINE
+    other = next(key for key in committed if key[0] == 64)
+    assert gc.get_config(*other) == gc.default_config(*other)  # not in that table: the default, not the committed
+    monkeypatch.delenv(gc.TABLE_ENV)
+    _fresh_caches(monkeypatch)
+    assert gc.table_path() == gc.TABLE_PATH and gc.get_config(mb, n, k) == cfg
+
+
+def test_a_missing_or_malformed_env_table_is_an_error_that_names_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(gc.TABLE_ENV, str(tmp_path / "none.json"))
+    _fresh_caches(monkeypatch)
+    with pytest.raises(FileNotFoundError, match="EIGHTBIT_GEMM_TABLE=.*none.json: no such file"):
+        gc.get_config(8, 4096, 4096)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"entries": []}))
+    monkeypatch.setenv(gc.TABLE_ENV, str(bad))
+    _fresh_caches(monkeypatch)
+    with pytest.raises(ValueError, match="bad.json is not a GEMM table"):
+        gc.get_config(8, 4096, 4096)
+
+
+def _args(tmp_path, **kw):
+    return ["cand.json", "--out", str(tmp_path / "ab"), *[x for k, v in kw.items() for x in (f"--{k}", str(v))]]
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _table(tmp_path / "cand.json", {(8, 64, 64): MINE})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return tmp_path
+
+
+def test_ab_runs_baseline_candidate_candidate_baseline_and_judges_each_batch(tables, capsys):
+    speeds = {"baseline": {1: [100, 102, 101, 99], 32: [200, 201, 199, 202], 64: [300, 305, 301, 306]},
+              "candidate": {1: [95, 96, 97, 94], 32: [210, 212, 211, 209], 64: [303, 299, 304, 300]}}
+    calls = []
+
+    def fake_run(table, out_dir, args):
+        arm = "candidate" if table.endswith("cand.json") else "baseline"
+        i = sum(1 for c in calls if c[0] == arm)
+        calls.append((arm, os.path.basename(out_dir), args.batch_sizes))
+        return {b: v[i] for b, v in speeds[arm].items()}
+
+    assert ab.main(_args(tables, **{"batch-sizes": "1,32,64"}), run=fake_run) == 0
+    assert [c[0] for c in calls] == list(ab.ORDER) * 2
+    assert [c[1] for c in calls] == [f"{i:02d}_{arm}" for i, arm in enumerate(ab.ORDER * 2)]
+    saved = json.loads((tables / "ab" / "ab.json").read_text())
+    rows = {r["batch"]: r for r in saved["rows"]}
+    assert {b: r["verdict"] for b, r in rows.items()} == {1: "loses", 32: "wins", 64: "within the spread"}
+    assert rows[32]["bucket"] == 32 and rows[32]["change"] == pytest.approx(210.5 / 200.5 - 1)
+    assert saved["tables"]["baseline"] == gc.TABLE_PATH  # the table in use
+    out = capsys.readouterr().out
+    assert "won in every run: buckets 32" in out and "--device-overrides cand.json --buckets 32" in out
+
+
+def test_a_bucket_wins_only_if_every_batch_size_in_it_won():
+    rows = [dict(bucket=64, verdict="wins"), dict(bucket=64, verdict="within the spread"),
+            dict(bucket=32, verdict="wins"), dict(bucket=4, verdict="loses")]
+    assert ab.winning_buckets(rows) == [32]
+
+
+def test_run_arm_points_the_engine_at_its_table_and_reads_its_records(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_subprocess_run(cmd, env):
+        seen.update(cmd=cmd, table=env[gc.TABLE_ENV])
+        out = cmd[cmd.index("--out") + 1]
+        os.makedirs(out)
+        records = [dict(bench="copy", ok=True), dict(bench="latency", ok=True, batch=4, achieved_gbs=2700.0),
+                   dict(bench="latency", ok=False, batch=8, achieved_gbs=None)]
+        with open(os.path.join(out, "results.jsonl"), "w") as f:
+            f.write("\n".join(json.dumps(r) for r in records) + "\n")
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_subprocess_run)
+    args = types.SimpleNamespace(model="llama-3-8b", batch_sizes="4,8", prompt_len=512, new_tokens=64)
+    assert ab.run_arm("/t/cand.json", str(tmp_path / "r"), args) == {4: 2700.0}
+    assert seen["table"] == "/t/cand.json" and seen["cmd"][seen["cmd"].index("--batch-sizes") + 1] == "4,8"
+
+    monkeypatch.setattr(ab.subprocess, "run", lambda cmd, env: types.SimpleNamespace(returncode=3))
+    with pytest.raises(SystemExit, match="failed \\(exit code 3\\); its output is in .*r2"):
+        ab.run_arm("/t/cand.json", str(tmp_path / "r2"), args)
+
+
+def test_ab_refuses_before_running_anything(tables, monkeypatch, capsys):
+    def never(*a):
+        raise AssertionError("no engine run expected")
+
+    (tables / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="bad.json is not a GEMM table"):
+        ab.main(["bad.json", "--out", str(tables / "x")], run=never)
+    (tables / "used").mkdir()
+    (tables / "used" / "00_baseline").mkdir()
+    with pytest.raises(SystemExit, match="is not empty"):
+        ab.main(["cand.json", "--out", str(tables / "used")], run=never)
+    with pytest.raises(SystemExit) as e:
+        ab.main(_args(tables, **{"batch-sizes": "1,x"}), run=never)
+    assert e.value.code == 2 and "comma-separated integers" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="has none"):
+        ab.main(_args(tables), run=never)
+    assert not (tables / "ab").exists()
+
+
+def test_a_fresh_process_reads_the_table_the_env_names(tmp_path):
+    """What each A/B arm relies on: the engine's process, started with EIGHTBIT_GEMM_TABLE, looks its GEMMs up there."""
+    import subprocess
+    import sys
+
+    path = _table(tmp_path / "t.json", {(8, 64, 64): MINE})
+    code = "from eightbit.kernels import gemm_configs as gc; print(gc.get_config(7, 64, 64).key())"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{gc.TABLE_ENV: path}),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(MINE.key())
