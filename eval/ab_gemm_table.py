@@ -25,7 +25,7 @@ import sys
 import torch
 
 from eightbit.eval.bench_common import load_records
-from eightbit.kernels.gemm_configs import TABLE_ENV, m_bucket, table_path
+from eightbit.kernels.gemm_configs import TABLE_ENV, GemmConfig, entry_key, m_bucket, table_path
 
 ORDER = ("baseline", "candidate", "candidate", "baseline")
 
@@ -35,8 +35,8 @@ def check_table(path):
     try:
         with open(path) as f:
             configs = json.load(f)["configs"]
-        if not isinstance(configs, list):
-            raise TypeError("'configs' is not a list")
+        for e in configs:  # each entry as get_config will read it
+            entry_key(e), GemmConfig(**e["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path} is not a GEMM table ({{'configs': [entries]}}): {type(e).__name__}: {e}") from e
     return os.path.abspath(path)

@@ -126,6 +126,9 @@ def test_ab_refuses_before_running_anything(tables, monkeypatch, capsys):
     (tables / "bad.json").write_text("{not json")
     with pytest.raises(SystemExit, match="bad.json is not a GEMM table"):
         ab.main(["bad.json", "--out", str(tables / "x")], run=never)
+    (tables / "odd.json").write_text(json.dumps({"configs": [{"m_bucket": 8, "n": 64, "k": 64, "config": {"tile": 3}}]}))
+    with pytest.raises(SystemExit, match="odd.json is not a GEMM table.*TypeError"):
+        ab.main(["odd.json", "--out", str(tables / "x")], run=never)
     (tables / "used").mkdir()
     (tables / "used" / "00_baseline").mkdir()
     with pytest.raises(SystemExit, match="is not empty"):
