@@ -10,10 +10,15 @@ entries are filed. Each arm runs `bench_cli run --benches latency` in a fresh pr
 set to its table, in the order baseline, candidate, candidate, baseline each round, and the decode-step bandwidth
 (bench_engine's achieved_gbs: the steps whose M is the batch size, so the steps one M bucket runs) is compared per
 batch size. A batch size's candidate wins when every candidate run beats every baseline run, loses when every one
-is slower, and is otherwise within the runs' spread. A card's own entries (gemm_configs_by_device.json) apply in
-both arms, so their buckets compare equal. Prints the table, writes it with every run's numbers to OUT/ab.json,
-and names the buckets whose every batch size won (`tune_gemm --device-overrides CANDIDATE --buckets ...` files
-them as the card's own entries).
+is slower, and is otherwise within the runs' spread. A run that fails, or records no
+bandwidth for a batch size, stops the A/B with its error (each run's output is in its folder's run.log).
+
+The candidate replaces the whole table (a shape it lacks runs the default config, not the baseline's), so it
+should be a full table, as `tune_gemm --out` writes. A card's own entries (gemm_configs_by_device.json) apply
+in both arms: the shapes they cover compare equal, and the script names any candidate entry they hid. Prints the
+table, writes it with every run's numbers to OUT/ab.json, and names the buckets whose every batch size won
+(`tune_gemm --device-overrides CANDIDATE --buckets ...` files those buckets' entries that differ from the
+committed table as the card's own).
 """
 
 import argparse
@@ -25,38 +30,46 @@ import sys
 import torch
 
 from eightbit.eval.bench_common import load_records
-from eightbit.kernels.gemm_configs import TABLE_ENV, GemmConfig, entry_key, m_bucket, table_path
+from eightbit.kernels.gemm_configs import (TABLE_ENV, GemmConfig, device_entries, device_name_of, entry_key,
+                                           m_bucket, table_path)
 
 ORDER = ("baseline", "candidate", "candidate", "baseline")
 
 
-def check_table(path):
-    """A readable GEMM table ({"configs": [...]}) at path, else SystemExit naming what is wrong."""
+def read_table(path):
+    """{(m_bucket, n, k): GemmConfig} of the GEMM table at path, read as get_config reads it; else SystemExit."""
     try:
         with open(path) as f:
-            configs = json.load(f)["configs"]
-        for e in configs:  # each entry as get_config will read it
-            entry_key(e), GemmConfig(**e["config"])
+            return {entry_key(e): GemmConfig(**e["config"]) for e in json.load(f)["configs"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path} is not a GEMM table ({{'configs': [entries]}}): {type(e).__name__}: {e}") from e
-    return os.path.abspath(path)
 
 
-def decode_gbs(out_dir):
-    """{batch size: achieved GB/s over the decode steps} of the latency records in out_dir."""
-    return {r["batch"]: r["achieved_gbs"] for r in load_records([out_dir])
-            if r.get("bench") == "latency" and r.get("ok") and r.get("achieved_gbs")}
+def decode_gbs(out_dir, batch_sizes):
+    """{batch size: achieved GB/s over the decode steps} of the latency records in out_dir; SystemExit with the
+    recorded error for a batch size without one."""
+    records = [r for r in load_records([out_dir]) if r.get("bench") == "latency"]
+    gbs = {r["batch"]: r["achieved_gbs"] for r in records if r.get("ok") and r.get("achieved_gbs")}
+    for b in batch_sizes:
+        if b not in gbs:
+            errors = [r.get("error") for r in records if r.get("batch") in (b, None) and r.get("error")]
+            raise SystemExit(f"the engine run in {out_dir} measured no decode bandwidth at batch {b}: "
+                             f"{errors[-1] if errors else 'no record'}")
+    return gbs
 
 
 def run_arm(table, out_dir, args):
-    """One fresh engine process on table; its decode GB/s per batch size."""
+    """One fresh engine process on table, its output in out_dir/run.log; its decode GB/s per batch size."""
     cmd = [sys.executable, "-m", "eightbit.eval.bench_cli", "run", "--system", "eightbit-int8", "--model", args.model,
            "--benches", "latency", "--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--out", out_dir]
-    done = subprocess.run(cmd, env=dict(os.environ, **{TABLE_ENV: table}))
+    os.makedirs(out_dir, exist_ok=True)
+    log = os.path.join(out_dir, "run.log")
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, env=dict(os.environ, **{TABLE_ENV: table}), stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise SystemExit(f"the engine run on {table} failed (exit code {done.returncode}); its output is in {out_dir}")
-    return decode_gbs(out_dir)
+        raise SystemExit(f"the engine run on {table} failed (exit code {done.returncode}): see {log}")
+    return decode_gbs(out_dir, [int(b) for b in args.batch_sizes.split(",")])
 
 
 def verdict(base, cand):
@@ -71,12 +84,8 @@ def compare(runs, batch_sizes):
     """Per batch size: its M bucket, each arm's GB/s, the change of the means and the verdict."""
     rows = []
     for b in batch_sizes:
-        base = [r["gbs"][b] for r in runs if r["arm"] == "baseline" and b in r["gbs"]]
-        cand = [r["gbs"][b] for r in runs if r["arm"] == "candidate" and b in r["gbs"]]
-        if not base or not cand:
-            rows.append(dict(batch=b, bucket=m_bucket(b), baseline=base, candidate=cand, change=None,
-                             verdict="not measured"))
-            continue
+        base = [r["gbs"][b] for r in runs if r["arm"] == "baseline"]
+        cand = [r["gbs"][b] for r in runs if r["arm"] == "candidate"]
         change = (sum(cand) / len(cand)) / (sum(base) / len(base)) - 1
         rows.append(dict(batch=b, bucket=m_bucket(b), baseline=base, candidate=cand, change=change,
                          verdict=verdict(base, cand)))
@@ -92,22 +101,44 @@ def winning_buckets(rows):
 
 
 def _gbs(values):
-    return " / ".join(f"{x:,.0f}" for x in values) or "—"
+    return " / ".join(f"{x:,.0f}" for x in values)
 
 
-def render(rows, candidate):
+def render(rows, candidate, hidden=()):
+    """The table, the buckets that won and how to file them; `hidden`: candidate entries the card's own entries
+    replaced in both arms (not measured, yet filed with their bucket)."""
     lines = ["| batch | M bucket | baseline decode GB/s | candidate decode GB/s | change | candidate |",
              "|---:|---:|---|---|---:|---|"]
     for r in rows:
-        change = f"{100 * r['change']:+.1f} %" if r["change"] is not None else "—"
-        lines.append(f"| {r['batch']} | {r['bucket']} | {_gbs(r['baseline'])} | {_gbs(r['candidate'])} | {change} | "
-                     f"{r['verdict']} |")
+        lines.append(f"| {r['batch']} | {r['bucket']} | {_gbs(r['baseline'])} | {_gbs(r['candidate'])} | "
+                     f"{100 * r['change']:+.1f} % | {r['verdict']} |")
     won = winning_buckets(rows)
     lines.append("")
-    lines.append(f"won in every run: buckets {','.join(map(str, won))} (file them: python -m eightbit.eval.tune_gemm "
-                 f"--device-overrides {candidate} --buckets {','.join(map(str, won))})" if won
-                 else "no bucket won in every run")
+    if not won:
+        lines.append("no bucket won in every run")
+        return "\n".join(lines)
+    buckets = ",".join(map(str, won))
+    lines.append(f"won in every run: buckets {buckets} (file them: python -m eightbit.eval.tune_gemm "
+                 f"--device-overrides {candidate} --buckets {buckets})")
+    unmeasured = sorted(key for key in hidden if key[0] in won)
+    if unmeasured:
+        lines.append("not measured, though filing those buckets files them: the candidate's entries at (M bucket, N, "
+                     "K) " + ", ".join(map(str, unmeasured)) + ", which this card's own entries replaced in both arms")
     return "\n".join(lines)
+
+
+def _check_tables(baseline, candidate):
+    """The two tables, refused when they cannot make an A/B; a warning for shapes only one of them has."""
+    if os.path.abspath(baseline) == os.path.abspath(candidate):
+        raise SystemExit(f"the candidate is the baseline itself ({baseline}): nothing to compare")
+    base, cand = read_table(baseline), read_table(candidate)
+    if not cand:
+        raise SystemExit(f"{candidate} holds no entries")
+    only = sorted(set(base) ^ set(cand))
+    if only:
+        print(f"[ab] warning: {len(only)} (M bucket, N, K) entries are in only one of the tables, e.g. {only[:3]}; "
+              "a shape a table lacks runs the default config in that arm", flush=True)
+    return base, cand
 
 
 def main(argv=None, run=run_arm):
@@ -127,11 +158,14 @@ def main(argv=None, run=run_arm):
         ap.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
     if not batch_sizes or min(batch_sizes) < 1 or args.rounds < 1:
         ap.error("need at least one batch size >= 1 and --rounds >= 1")
-    tables = dict(baseline=check_table(args.baseline or table_path()), candidate=check_table(args.candidate))
+    tables = {"baseline": os.path.abspath(args.baseline or table_path()), "candidate": os.path.abspath(args.candidate)}
+    _, cand = _check_tables(tables["baseline"], tables["candidate"])
     if os.path.isdir(args.out) and os.listdir(args.out):
         raise SystemExit(f"{args.out} is not empty (an earlier A/B?): give another --out")
     if not torch.cuda.is_available():
         raise SystemExit("ab_gemm_table compares GEMM tables in the engine on a CUDA GPU, and this machine has none")
+    own = device_entries(device_name_of(torch.device("cuda")))
+    hidden = [key for key in cand if key in own and own[key] != cand[key]]
     os.makedirs(args.out, exist_ok=True)
     runs = []
     for i, arm in enumerate(ORDER * args.rounds):
@@ -140,9 +174,10 @@ def main(argv=None, run=run_arm):
         print(f"[ab] run {i + 1}/{len(ORDER) * args.rounds} {arm}: " +
               ", ".join(f"batch {b} {g:,.0f} GB/s" for b, g in sorted(gbs.items())), flush=True)
     rows = compare(runs, batch_sizes)
+    saved = [dict(arm=r["arm"], gbs=sorted(r["gbs"].items())) for r in runs]  # [batch, GB/s] pairs: JSON keys are str
     with open(os.path.join(args.out, "ab.json"), "w") as f:
-        json.dump(dict(tables=tables, args=vars(args), runs=runs, rows=rows), f, indent=1)
-    print(render(rows, args.candidate))
+        json.dump(dict(tables=tables, args=vars(args), runs=saved, rows=rows), f, indent=1)
+    print(render(rows, args.candidate, hidden))
     return 0
 
 

@@ -413,7 +413,10 @@ def write_device_entries(table_path, base_path, out_path, buckets):
         with open(out_path) as f:
             data = json.load(f)
 
-    mine = {gc.entry_key(e): e for e in data.get(device, {}).get("configs", []) if e["m_bucket"] not in buckets}
+    earlier = data.get(device, {})
+    # entries filed before entries named their source keep the one their card's header named
+    mine = {gc.entry_key(e): {"source": earlier.get("source"), "date": earlier.get("date"), **e}
+            for e in earlier.get("configs", []) if e["m_bucket"] not in buckets}
     for e in table["configs"]:
         key = gc.entry_key(e)
         if e["m_bucket"] in buckets and (key not in base or _launch_of(e) != _launch_of(base[key])):

@@ -61,10 +61,16 @@ def _args(tmp_path, **kw):
 
 @pytest.fixture
 def tables(tmp_path, monkeypatch):
+    """A candidate table in the working directory (the committed table's entries, one changed), and a fake CUDA
+    card whose own entries replace the candidate's at (32, N, K)."""
     monkeypatch.chdir(tmp_path)
-    _table(tmp_path / "cand.json", {(8, 64, 64): MINE})
+    entries = gc.table_entries()
+    (mb, n, k) = next(key for key in entries if key[0] == 32)
+    _table(tmp_path / "cand.json", {**entries, (mb, n, k): MINE})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    return tmp_path
+    monkeypatch.setattr(ab, "device_name_of", lambda device: "Fake GPU")
+    monkeypatch.setattr(ab, "device_entries", lambda name: {(mb, n, k): GemmConfig(32, 64, 256, 1, 1, 4, 4)})
+    return types.SimpleNamespace(dir=tmp_path, hidden=(mb, n, k))
 
 
 def test_ab_runs_baseline_candidate_candidate_baseline_and_judges_each_batch(tables, capsys):
@@ -78,16 +84,20 @@ def test_ab_runs_baseline_candidate_candidate_baseline_and_judges_each_batch(tab
         calls.append((arm, os.path.basename(out_dir), args.batch_sizes))
         return {b: v[i] for b, v in speeds[arm].items()}
 
-    assert ab.main(_args(tables, **{"batch-sizes": "1,32,64"}), run=fake_run) == 0
+    assert ab.main(_args(tables.dir, **{"batch-sizes": "1,32,64"}), run=fake_run) == 0
     assert [c[0] for c in calls] == list(ab.ORDER) * 2
     assert [c[1] for c in calls] == [f"{i:02d}_{arm}" for i, arm in enumerate(ab.ORDER * 2)]
-    saved = json.loads((tables / "ab" / "ab.json").read_text())
+    saved = json.loads((tables.dir / "ab" / "ab.json").read_text())
     rows = {r["batch"]: r for r in saved["rows"]}
     assert {b: r["verdict"] for b, r in rows.items()} == {1: "loses", 32: "wins", 64: "within the spread"}
     assert rows[32]["bucket"] == 32 and rows[32]["change"] == pytest.approx(210.5 / 200.5 - 1)
+    assert saved["runs"][1] == {"arm": "candidate", "gbs": [[1, 95], [32, 210], [64, 303]]}
     assert saved["tables"]["baseline"] == gc.TABLE_PATH  # the table in use
     out = capsys.readouterr().out
     assert "won in every run: buckets 32" in out and "--device-overrides cand.json --buckets 32" in out
+    assert f"not measured, though filing those buckets files them: the candidate's entries at (M bucket, N, K) " \
+           f"{tables.hidden}" in out
+    assert "only one of the tables" not in out
 
 
 def test_a_bucket_wins_only_if_every_batch_size_in_it_won():
@@ -96,50 +106,73 @@ def test_a_bucket_wins_only_if_every_batch_size_in_it_won():
     assert ab.winning_buckets(rows) == [32]
 
 
-def test_run_arm_points_the_engine_at_its_table_and_reads_its_records(tmp_path, monkeypatch):
-    seen = {}
-
-    def fake_subprocess_run(cmd, env):
-        seen.update(cmd=cmd, table=env[gc.TABLE_ENV])
+def _fake_engine(records, returncode=0, seen=None):
+    def fake_subprocess_run(cmd, env, stdout, stderr):
+        if seen is not None:
+            seen.update(cmd=cmd, table=env[gc.TABLE_ENV])
         out = cmd[cmd.index("--out") + 1]
-        os.makedirs(out)
-        records = [dict(bench="copy", ok=True), dict(bench="latency", ok=True, batch=4, achieved_gbs=2700.0),
-                   dict(bench="latency", ok=False, batch=8, achieved_gbs=None)]
         with open(os.path.join(out, "results.jsonl"), "w") as f:
             f.write("\n".join(json.dumps(r) for r in records) + "\n")
-        return types.SimpleNamespace(returncode=0)
+        stdout.write("engine log\n")
+        return types.SimpleNamespace(returncode=returncode)
+    return fake_subprocess_run
 
-    monkeypatch.setattr(ab.subprocess, "run", fake_subprocess_run)
+
+def test_run_arm_points_the_engine_at_its_table_and_reads_its_records(tmp_path, monkeypatch):
+    seen = {}
+    records = [dict(bench="copy", ok=True), dict(bench="latency", ok=True, batch=4, achieved_gbs=2700.0),
+               dict(bench="latency", ok=True, batch=8, achieved_gbs=2800.0)]
+    monkeypatch.setattr(ab.subprocess, "run", _fake_engine(records, seen=seen))
     args = types.SimpleNamespace(model="llama-3-8b", batch_sizes="4,8", prompt_len=512, new_tokens=64)
-    assert ab.run_arm("/t/cand.json", str(tmp_path / "r"), args) == {4: 2700.0}
+    assert ab.run_arm("/t/cand.json", str(tmp_path / "r"), args) == {4: 2700.0, 8: 2800.0}
     assert seen["table"] == "/t/cand.json" and seen["cmd"][seen["cmd"].index("--batch-sizes") + 1] == "4,8"
+    assert (tmp_path / "r" / "run.log").read_text() == "engine log\n"
 
-    monkeypatch.setattr(ab.subprocess, "run", lambda cmd, env: types.SimpleNamespace(returncode=3))
-    with pytest.raises(SystemExit, match="failed \\(exit code 3\\); its output is in .*r2"):
+
+def test_run_arm_stops_on_a_failed_run_or_a_batch_without_bandwidth(tmp_path, monkeypatch):
+    args = types.SimpleNamespace(model="llama-3-8b", batch_sizes="4,8", prompt_len=512, new_tokens=64)
+    monkeypatch.setattr(ab.subprocess, "run", _fake_engine([], returncode=3))
+    with pytest.raises(SystemExit, match="failed \\(exit code 3\\): see .*r1/run.log"):
+        ab.run_arm("/t/cand.json", str(tmp_path / "r1"), args)
+    records = [dict(bench="latency", ok=True, batch=4, achieved_gbs=2700.0),
+               dict(bench="latency", ok=False, batch=8, achieved_gbs=None, error="OutOfMemoryError: CUDA out of memory")]
+    monkeypatch.setattr(ab.subprocess, "run", _fake_engine(records))
+    with pytest.raises(SystemExit, match="no decode bandwidth at batch 8: OutOfMemoryError: CUDA out of memory"):
         ab.run_arm("/t/cand.json", str(tmp_path / "r2"), args)
+    build_failed = [dict(bench="latency", ok=False, batch=None, error="build failed: ValueError: bad config")]
+    monkeypatch.setattr(ab.subprocess, "run", _fake_engine(build_failed))
+    with pytest.raises(SystemExit, match="no decode bandwidth at batch 4: build failed: ValueError: bad config"):
+        ab.run_arm("/t/cand.json", str(tmp_path / "r3"), args)
 
 
 def test_ab_refuses_before_running_anything(tables, monkeypatch, capsys):
     def never(*a):
         raise AssertionError("no engine run expected")
 
-    (tables / "bad.json").write_text("{not json")
+    (tables.dir / "bad.json").write_text("{not json")
     with pytest.raises(SystemExit, match="bad.json is not a GEMM table"):
-        ab.main(["bad.json", "--out", str(tables / "x")], run=never)
-    (tables / "odd.json").write_text(json.dumps({"configs": [{"m_bucket": 8, "n": 64, "k": 64, "config": {"tile": 3}}]}))
+        ab.main(["bad.json", "--out", str(tables.dir / "x")], run=never)
+    (tables.dir / "odd.json").write_text(json.dumps({"configs": [{"m_bucket": 8, "n": 64, "k": 64, "config": {"tile": 3}}]}))
     with pytest.raises(SystemExit, match="odd.json is not a GEMM table.*TypeError"):
-        ab.main(["odd.json", "--out", str(tables / "x")], run=never)
-    (tables / "used").mkdir()
-    (tables / "used" / "00_baseline").mkdir()
+        ab.main(["odd.json", "--out", str(tables.dir / "x")], run=never)
+    (tables.dir / "empty.json").write_text(json.dumps({"configs": []}))
+    with pytest.raises(SystemExit, match="empty.json holds no entries"):
+        ab.main(["empty.json", "--out", str(tables.dir / "x")], run=never)
+    with pytest.raises(SystemExit, match="the candidate is the baseline itself"):
+        ab.main(["cand.json", "--baseline", "cand.json", "--out", str(tables.dir / "x")], run=never)
+    (tables.dir / "used").mkdir()
+    (tables.dir / "used" / "00_baseline").mkdir()
     with pytest.raises(SystemExit, match="is not empty"):
-        ab.main(["cand.json", "--out", str(tables / "used")], run=never)
+        ab.main(["cand.json", "--out", str(tables.dir / "used")], run=never)
     with pytest.raises(SystemExit) as e:
-        ab.main(_args(tables, **{"batch-sizes": "1,x"}), run=never)
+        ab.main(_args(tables.dir, **{"batch-sizes": "1,x"}), run=never)
     assert e.value.code == 2 and "comma-separated integers" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _table(tables.dir / "part.json", {(8, 64, 64): MINE})
     with pytest.raises(SystemExit, match="has none"):
-        ab.main(_args(tables), run=never)
-    assert not (tables / "ab").exists()
+        ab.main(["part.json", "--out", str(tables.dir / "ab")], run=never)
+    assert "entries are in only one of the tables" in capsys.readouterr().out  # a partial candidate is warned of
+    assert not (tables.dir / "ab").exists() and not (tables.dir / "x").exists()
 
 
 def test_a_fresh_process_reads_the_table_the_env_names(tmp_path):

@@ -87,7 +87,8 @@ def test_device_overrides_keep_only_what_launches_differently(tmp_path):
                                                 _entry(8, 128, 64, OLD)], device="NVIDIA H100")
     out = tmp_path / "by_device.json"
     out.write_text(json.dumps({"Other GPU": {"configs": [_entry(8, 64, 64, NEW)]},
-                               "NVIDIA H200": {"configs": [_entry(32, 64, 64, OTHER), _entry(8, 128, 64, NEW)]}}))
+                               "NVIDIA H200": {"configs": [_entry(32, 64, 64, OTHER) | {"source": "old.json"},
+                                                           _entry(8, 128, 64, NEW)]}}))
     tuned = _table_file(tmp_path / "h200.json", [
         _entry(8, 64, 64, NEW, pdl=True),  # a new config: kept
         _entry(16, 64, 64, OLD, pdl=True),  # the same config, marked as the rule launches it anyway: not kept
@@ -99,7 +100,7 @@ def test_device_overrides_keep_only_what_launches_differently(tmp_path):
     mine = {(e["m_bucket"], e["n"], e["k"]): GemmConfig(**e["config"]) for e in data["NVIDIA H200"]["configs"]}
     assert mine == {(8, 64, 64): NEW, (32, 64, 64): OTHER}
     sources = {(e["m_bucket"], e["n"], e["k"]): e.get("source") for e in data["NVIDIA H200"]["configs"]}
-    assert sources == {(8, 64, 64): "h200.json", (32, 64, 64): None}  # an entry kept from before keeps its own
+    assert sources == {(8, 64, 64): "h200.json", (32, 64, 64): "old.json"}  # an entry kept from before keeps its own
 
 
 def test_device_overrides_need_another_card_named(tmp_path):
@@ -140,3 +141,18 @@ def test_device_overrides_run_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune_gemm.main(["--device-overrides", tuned, "--buckets", "8"]) == 0
     assert "NVIDIA H200" in (tmp_path / "o.json").read_text()
+
+
+def test_device_overrides_keep_an_older_cards_source_on_its_kept_entries(tmp_path):
+    """A per-card file written before entries named their source (one "source" for the card) keeps it on the
+    entries that stay."""
+    import json
+
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD), _entry(16, 64, 64, OLD)], device="NVIDIA H100")
+    out = tmp_path / "by_device.json"
+    out.write_text(json.dumps({"NVIDIA H200": {"source": "older.json", "date": "2026-11-01",
+                                               "configs": [_entry(16, 64, 64, OTHER)]}}))
+    tuned = _table_file(tmp_path / "new.json", [_entry(8, 64, 64, NEW)])
+    tune_gemm.write_device_entries(tuned, base, str(out), buckets={8})
+    got = {e["m_bucket"]: (e["source"], e["date"]) for e in json.loads(out.read_text())["NVIDIA H200"]["configs"]}
+    assert got == {8: ("new.json", "2026-11-28"), 16: ("older.json", "2026-11-01")}
