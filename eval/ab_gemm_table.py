@@ -30,19 +30,26 @@ import sys
 import torch
 
 from eightbit.eval.bench_common import load_records
-from eightbit.kernels.gemm_configs import (TABLE_ENV, GemmConfig, device_entries, device_name_of, entry_key,
-                                           m_bucket, table_path)
+from eightbit.kernels import gemm_configs
+from eightbit.kernels.gemm_configs import TABLE_ENV, device_entries, device_name_of, m_bucket, table_path
 
 ORDER = ("baseline", "candidate", "candidate", "baseline")
 
 
+def parse_batch_sizes(text):
+    """'1,4,32' -> [1, 4, 32]; ValueError for anything else."""
+    sizes = [int(b) for b in text.split(",") if b]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
+
+
 def read_table(path):
-    """{(m_bucket, n, k): GemmConfig} of the GEMM table at path, read as get_config reads it; else SystemExit."""
+    """gemm_configs.read_table, with what is wrong as a SystemExit before any engine run."""
     try:
-        with open(path) as f:
-            return {entry_key(e): GemmConfig(**e["config"]) for e in json.load(f)["configs"]}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"{path} is not a GEMM table ({{'configs': [entries]}}): {type(e).__name__}: {e}") from e
+        return gemm_configs.read_table(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(str(e) if isinstance(e, ValueError) else f"{path}: {e.strerror}") from e
 
 
 def decode_gbs(out_dir, batch_sizes):
@@ -69,7 +76,7 @@ def run_arm(table, out_dir, args):
         done = subprocess.run(cmd, env=dict(os.environ, **{TABLE_ENV: table}), stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"the engine run on {table} failed (exit code {done.returncode}): see {log}")
-    return decode_gbs(out_dir, [int(b) for b in args.batch_sizes.split(",")])
+    return decode_gbs(out_dir, parse_batch_sizes(args.batch_sizes))
 
 
 def verdict(base, cand):
@@ -153,11 +160,11 @@ def main(argv=None, run=run_arm):
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or ".", "ab_gemm_table"))
     args = ap.parse_args(argv)
     try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
     except ValueError:
-        ap.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
-    if not batch_sizes or min(batch_sizes) < 1 or args.rounds < 1:
-        ap.error("need at least one batch size >= 1 and --rounds >= 1")
+        ap.error(f"--batch-sizes must be comma-separated integers >= 1, got {args.batch_sizes!r}")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     tables = {"baseline": os.path.abspath(args.baseline or table_path()), "candidate": os.path.abspath(args.candidate)}
     _, cand = _check_tables(tables["baseline"], tables["candidate"])
     if os.path.isdir(args.out) and os.listdir(args.out):

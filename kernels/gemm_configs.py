@@ -144,20 +144,22 @@ def table_path():
     return os.environ.get(TABLE_ENV) or TABLE_PATH
 
 
+def read_table(path):
+    """{(m_bucket, n, k): GemmConfig} of the GEMM table file at path; ValueError naming it if it is not one."""
+    try:
+        with open(path) as f:
+            return _entries(json.load(f)["configs"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a GEMM table ({{'configs': [table entries]}}): {type(e).__name__}: {e}") from e
+
+
 def _load_table():
     global _table
     if _table is None:
-        path, table = table_path(), {}
+        path = table_path()
         if path != TABLE_PATH and not os.path.isfile(path):
             raise FileNotFoundError(f"{TABLE_ENV}={path}: no such file (unset it to use the committed table)")
-        if os.path.exists(path):
-            try:
-                with open(path) as f:
-                    table = _entries(json.load(f)["configs"])
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{path} is not a GEMM table ({{'configs': [table entries]}}): "
-                                 f"{type(e).__name__}: {e}") from e
-        _table = table
+        _table = read_table(path) if os.path.exists(path) else {}
     return _table
 
 
