@@ -2,6 +2,7 @@
 (eval/ab_gemm_table.py), with the engine runs faked: what each run is given, how the runs are judged, and the
 refusals."""
 
+import itertools
 import json
 import os
 import types
@@ -98,12 +99,22 @@ def test_ab_runs_baseline_candidate_candidate_baseline_and_judges_each_batch(tab
     assert f"not measured, though filing those buckets files them: the candidate's entries at (M bucket, N, K) " \
            f"{tables.hidden}" in out
     assert "only one of the tables" not in out
+    assert "4 runs per arm" in out  # two rounds
 
 
 def test_a_bucket_wins_only_if_every_batch_size_in_it_won():
     rows = [dict(bucket=64, verdict="wins"), dict(bucket=64, verdict="within the spread"),
             dict(bucket=32, verdict="wins"), dict(bucket=4, verdict="loses")]
     assert ab.winning_buckets(rows) == [32]
+
+
+def test_the_chance_of_a_verdict_by_noise_is_counted_over_every_order_of_the_runs():
+    for n in (1, 2, 3, 4):  # every split of 2n distinct speeds into n baseline and n candidate runs
+        splits = list(itertools.combinations(range(2 * n), n))
+        wins = sum(min(c) > max(set(range(2 * n)) - set(c)) for c in splits)
+        assert ab.chance_of_a_verdict(n) == pytest.approx(wins / len(splits))
+    assert "4 runs per arm" in ab.render([], "c.json") and "1 time in 70" in ab.render([], "c.json")
+    assert "1 time in 6" in ab.render([], "c.json", runs_per_arm=2)
 
 
 def _fake_engine(records, returncode=0, seen=None):
