@@ -5,7 +5,8 @@
 
 Small-M GEMM configs cannot be ranked for the engine by timing them alone, behind quant_per_token or behind the
 engine's own producer: on an H200 an 8B o config 2-3.5 % faster in all three timings made batch-1 decode 2.2 %
-slower (docs/benchmarks/gemm.md, thirty-sixth session). So a re-tuned table is checked in the engine before its
+slower (docs/benchmarks/gemm.md, thirty-sixth session; only a whole decode layer timed outside the engine
+ranked it as the engine does, thirty-seventh). So a re-tuned table is checked in the engine before its
 entries are filed. Each arm runs `bench_cli run --benches latency` in a fresh process with EIGHTBIT_GEMM_TABLE
 set to its table, in the order baseline, candidate, candidate, baseline each round, and the decode-step bandwidth
 (bench_engine's achieved_gbs: the steps whose M is the batch size, so the steps one M bucket runs) is compared per

@@ -14,7 +14,8 @@ mark where the config stays; any other is marked "pdl": true, as it was timed, a
 marks. Check its picks in the engine before committing them (eval/ab_gemm_table.py): at buckets 1-4 the entries
 it picked, each faster here, made the 8B engine 1-3 % slower on an H100 and an H200 (docs/benchmarks/engine.md,
 runs 50 and 54), and timing them behind the engine's own producers (rmsnorm_quant, silu_mul_quant) instead of
-quant_per_token ranks them no differently (gemm.md, thirty-sixth session).
+quant_per_token ranks them no differently (gemm.md, thirty-sixth session), nor, for o, behind the decode attention
+as the engine launches it; timed inside a whole decode layer they lose as in the engine (thirty-seventh session).
 
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
 the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
