@@ -17,6 +17,14 @@ runs 50 and 54), and timing them behind the engine's own producers (rmsnorm_quan
 quant_per_token ranks them no differently (gemm.md, thirty-sixth session), nor, for o, behind the decode attention
 as the engine launches it; timed inside a whole decode layer they lose as in the engine (thirty-seventh session).
 
+With --in-layer --buckets B,... every candidate is timed where the engine runs it: inside a stack of decode
+layers made of eightbit's kernels (eval/decode_layers.py: norm, qkv, decode attention, quantization, o, norm,
+gate_up, SiLU, down, the PDL chain on), the candidate in its GEMM's place and the table's configs (this card's own
+entries first) in the others; times are microseconds per layer and the entry says "timed": "in_layer". A
+candidate without a PDL mark is launched by int8_gemm's rule, as the engine would launch it. On an H200 this
+ranked the 8B o configs at M = 1 and 4 as the engine did where every other timing here did not (gemm.md,
+thirty-seventh session); still check the picks in the engine.
+
 With --pdl the configs stay and each entry of the buckets gets its launch measured instead: quant_per_token +
 the GEMM, as CUDA-graph replays, with and without programmatic dependent launch (kernels/pdl.py; two timings
 each, alternating). The entry is marked "pdl": true or false; the launch int8_gemm would use without the mark
@@ -209,6 +217,8 @@ def main(argv=None):
     mode.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
     mode.add_argument("--behind-quant", action="store_true",
                       help="time each candidate behind quant_per_token in the PDL chain (check the picks in the engine)")
+    mode.add_argument("--in-layer", action="store_true",
+                      help="time each candidate inside a stack of decode layers (eval/decode_layers.py), per layer")
     mode.add_argument("--device-overrides", metavar="TABLE",
                       help="no tuning: file TABLE's entries (a table tune_gemm wrote on another card) that differ from "
                            "the committed table, in --buckets if given, become that card's own entries in "
@@ -223,6 +233,8 @@ def main(argv=None):
         return write_device_entries(args.device_overrides, gc.TABLE_PATH, gc.BY_DEVICE_PATH, buckets)
     if args.behind_quant and not args.buckets:
         ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")
+    if args.in_layer and not args.buckets:
+        ap.error("--in-layer needs --buckets: it times decode layers at batch = each bucket")
     if not torch.cuda.is_available():
         raise SystemExit("tune_gemm times the int8 GEMM kernels on a CUDA GPU, and this machine has none")
     if args.pdl:
@@ -230,17 +242,19 @@ def main(argv=None):
     t0 = time.time()
 
     from eightbit.eval.bench_gemm import n_copies, time_graph
+    from eightbit.eval.decode_layers import DecodeLayers, role_of
     from eightbit.kernels import gemm_configs as gc
     from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
 
-    if args.behind_quant and not pdl.chain_enabled(torch.device("cuda")):
-        raise SystemExit("--behind-quant times the chain's launches: it needs an sm_90 GPU with EIGHTBIT_PDL and "
-                         "EIGHTBIT_PDL_CHAIN not 0")
+    in_chain = args.behind_quant or args.in_layer
+    if in_chain and not pdl.chain_enabled(torch.device("cuda")):
+        raise SystemExit(f"--{'behind-quant' if args.behind_quant else 'in-layer'} times the chain's launches: it "
+                         "needs an sm_90 GPU with EIGHTBIT_PDL and EIGHTBIT_PDL_CHAIN not 0")
     # configs are timed GEMM after GEMM, which the engine never runs (a producer always sits between two GEMMs):
     # without the chain, so that one GEMM's late trigger does not overlap the next; the PDL marks are --pdl's job.
-    # --behind-quant times them behind that producer instead, launched as the chain launches them.
-    if not args.behind_quant:
+    # --behind-quant and --in-layer time them behind a producer instead, launched as the chain launches them.
+    if not in_chain:
         pdl.CHAIN = False
 
     def timed(cfg):  # the launch a candidate is checked and timed with
@@ -302,7 +316,10 @@ def main(argv=None):
             xq, wq0 = _inputs(m, n, k)
             ones_m, ones_n = torch.ones(m, 1, device="cuda"), torch.ones(n, 1, device="cuda")
             exact = (xq.double() @ wq0.double().t()).float()
-            nc = n_copies(n * k)
+            nc = 1 if args.in_layer else n_copies(n * k)  # a layer stack holds its own weights
+            if args.in_layer:
+                model, role = role_of(n, k)
+                stack = DecodeLayers(model, m)
             wqs = [wq0] + [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc - 1)]
             xs = torch.rand(m, 1, device="cuda") * 0.01
             x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if args.behind_quant else None
@@ -318,6 +335,9 @@ def main(argv=None):
                     out16 = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.bfloat16, tc)
                     if not (torch.equal(out, exact) and torch.equal(out16, exact.to(torch.bfloat16))):
                         print(f"WRONG RESULT: {cfg} at M={m} N={n} K={k}", flush=True)
+                        continue
+                    if args.in_layer:
+                        timings[cfg] = stack.time_us({role: tc})
                         continue
                     if args.behind_quant:
                         calls = _behind_quant(x16, wqs, wss, tc)
@@ -346,12 +366,16 @@ def main(argv=None):
                          prev_us=round(timings.get(prev, float("nan")), 2), prev_config=prev.to_dict())
             if args.behind_quant:
                 entry["timed"] = "behind_quant"  # the times include quant_per_token, all launched with PDL
+            elif args.in_layer:
+                entry["timed"] = "in_layer"  # microseconds per decode layer, this GEMM one of its kernels
             entries.append(entry)
-            what = "quant + GEMM" if args.behind_quant else f"{n * k / timings[best] / 1e3:6.0f} GB/s"
+            what = ("quant + GEMM" if args.behind_quant else f"a {model} decode layer" if args.in_layer
+                    else f"{n * k / timings[best] / 1e3:6.0f} GB/s")
             t_default, t_prev = timings.get(default, float("nan")), timings.get(prev, float("nan"))
             print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {t_default:8.1f}us,"
                   f" before {t_prev:8.1f}us, {what})  {best.key()}", flush=True)
             del wqs, wss, exact, x16
+            stack = None
             torch.cuda.empty_cache()
     kept = [e for (mb, n, k), e in old.items() if mb not in buckets]  # with their recorded times
     if args.log:
@@ -416,7 +440,7 @@ def write_device_entries(table_path, base_path, out_path, buckets):
 
     earlier = data.get(device, {})
     # entries filed before entries named their source keep the one their card's header named
-    mine = {gc.entry_key(e): {"source": earlier.get("source"), "date": earlier.get("date"), **e}
+    mine = {gc.entry_key(e): e if "source" in e else {**e, "source": earlier.get("source"), "date": earlier.get("date")}
             for e in earlier.get("configs", []) if e["m_bucket"] not in buckets}
     for e in table["configs"]:
         key = gc.entry_key(e)

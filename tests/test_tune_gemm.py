@@ -52,7 +52,7 @@ def test_a_new_bucket_is_timed_against_the_entry_that_served_it():
 def test_tune_gemm_without_a_gpu_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "table.json"
-    for flags in ([], ["--pdl"], ["--behind-quant", "--buckets", "128"]):
+    for flags in ([], ["--pdl"], ["--behind-quant", "--buckets", "128"], ["--in-layer", "--buckets", "1"]):
         with pytest.raises(SystemExit, match="CUDA GPU"):
             tune_gemm.main(flags + ["--out", str(out)])
     assert not out.exists()  # nothing written
@@ -60,12 +60,15 @@ def test_tune_gemm_without_a_gpu_says_so(monkeypatch, tmp_path):
 
 def test_tune_gemm_rejects_conflicting_modes(tmp_path, capsys):
     out = tmp_path / "table.json"
-    for flags in (["--pdl", "--behind-quant", "--buckets", "128"], ["--behind-quant"]):
+    for flags in (["--pdl", "--behind-quant", "--buckets", "128"], ["--behind-quant"],
+                  ["--in-layer", "--behind-quant", "--buckets", "1"], ["--in-layer"]):
         with pytest.raises(SystemExit) as e:
             tune_gemm.main(flags + ["--out", str(out)])
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "not allowed with argument" in err and "--behind-quant needs --buckets" in err
+    assert "argument --behind-quant: not allowed with argument --in-layer" in err
+    assert "--in-layer needs --buckets" in err
     assert not out.exists()
 
 
