@@ -17,7 +17,8 @@ bandwidth for a batch size, stops the A/B with its error (each run's output is i
 
 The candidate replaces the whole table (a shape it lacks runs the default config, not the baseline's), so it
 should be a full table, as `tune_gemm --out` writes. A card's own entries (gemm_configs_by_device.json) apply
-in both arms: the shapes they cover compare equal, and the script names any candidate entry they hid. Prints the
+in both arms: the shapes they cover compare equal, and the script names any candidate entry they hid (to compare
+those: EIGHTBIT_GEMM_BY_DEVICE=0 in the environment and a --baseline holding the card's entries). Prints the
 table, writes it with every run's numbers to OUT/ab.json, and names the buckets whose every batch size won
 (`tune_gemm --device-overrides CANDIDATE --buckets ...` files those buckets' entries that differ from the
 committed table as the card's own).
@@ -184,6 +185,10 @@ def main(argv=None, run=run_arm):
         raise SystemExit("ab_gemm_table compares GEMM tables in the engine on a CUDA GPU, and this machine has none")
     own = device_entries(device_name_of(torch.device("cuda")))
     hidden = [key for key in cand if key in own and own[key] != cand[key]]
+    if hidden:
+        print(f"[ab] warning: this card's own entries replace {len(hidden)} of the candidate's in both arms, so they "
+              f"compare equal, e.g. (M bucket, N, K) {hidden[:3]}; to compare them, run with EIGHTBIT_GEMM_BY_DEVICE=0 "
+              "and a --baseline that holds the card's entries", flush=True)
     os.makedirs(args.out, exist_ok=True)
     runs = []
     for i, arm in enumerate(ORDER * args.rounds):

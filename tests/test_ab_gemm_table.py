@@ -99,6 +99,8 @@ def test_ab_runs_baseline_candidate_candidate_baseline_and_judges_each_batch(tab
     assert f"not measured, though filing those buckets files them: the candidate's entries at (M bucket, N, K) " \
            f"{tables.hidden}" in out
     assert "only one of the tables" not in out
+    assert f"this card's own entries replace 1 of the candidate's in both arms, so they compare equal, e.g. " \
+           f"(M bucket, N, K) [{tables.hidden}]" in out
     assert "4 runs per arm" in out  # two rounds
 
 
