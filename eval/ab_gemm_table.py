@@ -11,8 +11,10 @@ entries are filed. Each arm runs `bench_cli run --benches latency` in a fresh pr
 set to its table, in the order baseline, candidate, candidate, baseline each round, and the decode-step bandwidth
 (bench_engine's achieved_gbs: the steps whose M is the batch size, so the steps one M bucket runs) is compared per
 batch size. A batch size's candidate wins when every candidate run beats every baseline run, loses when every one
-is slower, and is otherwise within the runs' spread (with no real difference, "wins" comes by chance 1 time in 70
-with the default two rounds, 1 in 6 with one: the output says which). A run that fails, or records no
+is slower, and is otherwise within the runs' spread. With no real difference and no drift the ABBA order does not
+cancel, a batch size reads "wins" by chance 1 time in 70 with the default two rounds (1 in 6 with one), and "loses"
+as often; over several batch sizes one of them wins by chance up to that many times as often (the output says so
+for the runs made). A run that fails, or records no
 bandwidth for a batch size, stops the A/B with its error (each run's output is in its folder's run.log).
 
 The candidate replaces the whole table (a shape it lacks runs the default config, not the baseline's), so it
@@ -115,13 +117,13 @@ def _gbs(values):
     return " / ".join(f"{x:,.0f}" for x in values)
 
 
-def chance_of_a_verdict(runs_per_arm):
+def chance_of_wins_by_noise(runs_per_arm):
     """With no real difference (every order of the runs' speeds equally likely), the chance that every candidate run
-    beats every baseline run: 1 / C(2n, n). The same for "loses"."""
+    beats every baseline run, at one batch size: 1 / C(2n, n). The same for "loses"."""
     return 1 / math.comb(2 * runs_per_arm, runs_per_arm)
 
 
-def render(rows, candidate, hidden=(), runs_per_arm=4):
+def render(rows, candidate, hidden=()):
     """The table, the buckets that won and how to file them; `hidden`: candidate entries the card's own entries
     replaced in both arms (not measured, yet filed with their bucket)."""
     lines = ["| batch | M bucket | baseline decode GB/s | candidate decode GB/s | change | candidate |",
@@ -131,8 +133,11 @@ def render(rows, candidate, hidden=(), runs_per_arm=4):
                      f"{100 * r['change']:+.1f} % | {r['verdict']} |")
     won = winning_buckets(rows)
     lines.append("")
-    lines.append(f"{runs_per_arm} runs per arm: with no real difference a batch size reads \"wins\" (or \"loses\") by "
-                 f"chance 1 time in {round(1 / chance_of_a_verdict(runs_per_arm))}")
+    if rows:
+        n, sizes = len(rows[0]["baseline"]), len(rows)
+        odds = round(1 / chance_of_wins_by_noise(n))
+        lines.append(f"{n} runs per arm: with no real difference a batch size reads \"wins\" by chance 1 time in {odds} "
+                     f"(\"loses\" as often)" + (f"; some one of these {sizes} up to {sizes} in {odds}" if sizes > 1 else ""))
     if not won:
         lines.append("no bucket won in every run")
         return "\n".join(lines)
@@ -200,7 +205,7 @@ def main(argv=None, run=run_arm):
     saved = [dict(arm=r["arm"], gbs=sorted(r["gbs"].items())) for r in runs]  # [batch, GB/s] pairs: JSON keys are str
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump(dict(tables=tables, args=vars(args), runs=saved, rows=rows), f, indent=1)
-    print(render(rows, args.candidate, hidden, runs_per_arm=2 * args.rounds))
+    print(render(rows, args.candidate, hidden))
     return 0
 
 

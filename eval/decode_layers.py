@@ -4,26 +4,29 @@ a GEMM config.
 At decode M a GEMM's time depends on the kernels on both sides of it through the PDL chain (kernels/pdl.py). On an
 H200 neither a GEMM alone, nor behind its producer, nor (for o) behind the decode attention ranked small-M configs
 as the engine did; a stack of whole decode layers did (docs/benchmarks/gemm.md, thirty-seventh session). A layer here
-is what the engine's decode step launches per layer, in its order and with its launches:
+is the engine's decode layer (engine/models/llama.py) on random weights, its kernels called directly, in its order,
+each on the one before's output:
 
-    rmsnorm_quant -> qkv GEMM -> decode attention -> quant_per_token -> o GEMM -> rmsnorm_quant -> gate_up GEMM
-    -> silu_mul_quant -> down GEMM
+    rmsnorm_quant -> qkv GEMM -> rope_kv_write -> decode attention -> quant_per_token -> o GEMM -> rmsnorm_quant
+    -> gate_up GEMM -> silu_mul_quant -> down GEMM
 
-The attention reads an int8 cache (groups of 32) through a block table as wide as the engine's CUDA-graph table
-(max_position_embeddings / 16 blocks), so it takes the engine's split count. Left out: rope_kv_write (the
-RoPE and cache write of the new token, a ~1 us kernel that is no GEMM's neighbour). Each kernel reads a fixed input
-rather than the one before's output: the stream's order and the PDL chain, not the data, decide how they overlap,
-and random activations keep every GEMM's output finite. Weights and caches are random, one set per layer, so
-the stack reads from HBM as a model does.
+Each sequence holds CONTEXT tokens of an int8 cache (groups of 32) and writes its newest token's K/V into that
+cache's last slot; the attention reads through a block table as wide as the engine's CUDA-graph table
+(max_position_embeddings / 16 blocks), so it takes the engine's split count. Every layer starts from the same
+hidden state and residual (the layers are not chained through their data, only through the stream and the PDL
+chain, which is what decides how they overlap). Weights and caches are random, one set per layer, so that the stack
+reads from HBM as a model does.
 """
 
 import math
 
 import torch
 
-from eightbit.engine.dummy import KNOWN_SHAPES
+from eightbit.engine.dummy import KNOWN_SHAPES, dummy_config
+from eightbit.engine.layers.rotary import cos_sin_cache
 from eightbit.kernels.decode_attention import decode_attention
 from eightbit.kernels.int8_gemm import int8_gemm_with_config
+from eightbit.kernels.kv_write import rope_kv_write
 from eightbit.kernels.quant_per_token import quant_per_token
 from eightbit.kernels.reference import v_cache_shape
 from eightbit.kernels.rmsnorm_quant import rmsnorm_quant
@@ -69,7 +72,7 @@ class DecodeLayers:
     def __init__(self, model, batch, num_layers=8, context=CONTEXT, device="cuda"):
         s = KNOWN_SHAPES[model]
         self.batch, self.hidden = batch, s["hidden_size"]
-        self.heads, kv_heads = s["num_attention_heads"], s["num_key_value_heads"]
+        self.heads, self.kv_heads = s["num_attention_heads"], s["num_key_value_heads"]
         self.head_dim = self.hidden // self.heads
         self.eps = s.get("rms_norm_eps", 1e-6)  # transformers' LlamaConfig default
         self.weights = [{role: (torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device),
@@ -77,31 +80,37 @@ class DecodeLayers:
                         for _ in range(num_layers)]
         used = math.ceil(context / PAGE)
         width = s["max_position_embeddings"] // PAGE  # the engine's graph table: max_model_len / block_size
-        self.caches = [_int8_cache(batch * used, kv_heads, self.head_dim, device) for _ in range(num_layers)]
+        self.caches = [_int8_cache(batch * used, self.kv_heads, self.head_dim, device) for _ in range(num_layers)]
         self.tables = [torch.nn.functional.pad(
             torch.randperm(batch * used, dtype=torch.int32, device=device).view(batch, used), (0, width - used))
             for _ in range(num_layers)]
         self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        # the newest token: position context - 1, in its sequence's last used block
+        last = context - 1
+        self.positions = torch.full((batch,), last, dtype=torch.int64, device=device)
+        self.slots = [(t[:, last // PAGE].long() * PAGE + last % PAGE).contiguous() for t in self.tables]
+        self.cos_sin = cos_sin_cache(dummy_config(model), s["max_position_embeddings"]).to(device)
         bf16 = dict(dtype=torch.bfloat16, device=device)
         self.x = torch.randn(batch, self.hidden, **bf16)
         self.residual = torch.randn(batch, self.hidden, **bf16)
         self.norm_weight = torch.rand(self.hidden, **bf16) + 0.5
-        self.q = torch.randn(batch, self.heads, self.head_dim, **bf16)
-        self.gate_up = torch.randn(batch, 2 * s["intermediate_size"], **bf16)
 
     def layer(self, i, configs):
         """Layer i's kernels; configs: {role: GemmConfig} for the GEMMs to launch with a given config (the others
-        take the table's, as the engine does)."""
-        w = self.weights[i]
+        take the table's, as the engine does). Returns the down GEMM's output."""
+        w, b, d = self.weights[i], self.batch, self.head_dim
 
         def gemm(role, x_q, x_scale):
             return int8_gemm_with_config(x_q, x_scale, *w[role], config=configs.get(role))
 
-        gemm("qkv", *rmsnorm_quant(self.x, self.norm_weight, self.eps, self.residual)[:2])
-        attn = decode_attention(self.q, *self.caches[i], self.tables[i], self.seq_lens, self.head_dim ** -0.5)
-        out = gemm("o", *quant_per_token(attn.view(self.batch, self.heads * self.head_dim)))
-        gemm("gate_up", *rmsnorm_quant(out, self.norm_weight, self.eps, self.residual)[:2])
-        return gemm("down", *silu_mul_quant(self.gate_up))
+        x_q, x_scale, residual = rmsnorm_quant(self.x, self.norm_weight, self.eps, self.residual)
+        q, k, v = gemm("qkv", x_q, x_scale).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = rope_kv_write(q.view(b, self.heads, d), k.view(b, self.kv_heads, d), v.view(b, self.kv_heads, d),
+                          self.positions, self.cos_sin, *self.caches[i], self.slots[i])
+        attn = decode_attention(q, *self.caches[i], self.tables[i], self.seq_lens, d ** -0.5)
+        out = gemm("o", *quant_per_token(attn.view(b, self.heads * d)))
+        x_q, x_scale, _ = rmsnorm_quant(out, self.norm_weight, self.eps, residual)
+        return gemm("down", *silu_mul_quant(gemm("gate_up", x_q, x_scale)))
 
     def calls(self, configs):
         """One callable per layer, for eval/bench_gemm.time_graph."""

@@ -20,7 +20,9 @@ as the engine launches it; timed inside a whole decode layer they lose as in the
 With --in-layer --buckets B,... every candidate is timed where the engine runs it: inside a stack of decode
 layers made of eightbit's kernels (eval/decode_layers.py: norm, qkv, decode attention, quantization, o, norm,
 gate_up, SiLU, down, the PDL chain on), the candidate in its GEMM's place and the table's configs (this card's own
-entries first) in the others; times are microseconds per layer and the entry says "timed": "in_layer". A
+entries first) in the others; times are microseconds per layer and the entry says "timed": "in_layer", so
+--min-gain is a fraction of a layer's time (0.01 is ~2-3x the spread of repeated timings of one layer on an H200).
+Buckets up to MAX_IN_LAYER_M (the engine's default max_num_seqs: larger M are prefill, not decode steps). A
 candidate without a PDL mark is launched by int8_gemm's rule, as the engine would launch it. On an H200 this
 ranked the 8B o configs at M = 1 and 4 as the engine did where every other timing here did not (gemm.md,
 thirty-seventh session); still check the picks in the engine.
@@ -39,7 +41,8 @@ M bucket of gemm_configs.M_BUCKETS, each candidate configuration is
    store the two differently),
 3. timed as CUDA-graph replays over rotated weight copies (eval/bench_gemm.time_graph), without the PDL
    chain (kernels/pdl.py): GEMM after GEMM, which the engine never runs, must not overlap through it
-   (--behind-quant: behind quant_per_token, in the chain).
+   (--behind-quant: behind quant_per_token, in the chain; --in-layer: inside eval/decode_layers.py's stack, per
+   layer).
 The fastest correct candidate is written with its time and the default's time.
 Shapes not finished inside the budget, or with no correct candidate, keep their committed entry (else the
 default, gemm_configs.default_config).
@@ -54,6 +57,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
+
+MAX_IN_LAYER_M = 256  # --in-layer: engine.config.EngineConfig.max_num_seqs's default, the largest decode batch
 
 TARGETS = [  # (N, K), the 8B shapes first
     (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
@@ -218,7 +223,9 @@ def main(argv=None):
     mode.add_argument("--behind-quant", action="store_true",
                       help="time each candidate behind quant_per_token in the PDL chain (check the picks in the engine)")
     mode.add_argument("--in-layer", action="store_true",
-                      help="time each candidate inside a stack of decode layers (eval/decode_layers.py), per layer")
+                      help="time each candidate inside a stack of decode layers (eval/decode_layers.py), per layer; "
+                           f"needs --buckets (up to {MAX_IN_LAYER_M}); --min-gain is then of a layer's time; check "
+                           "the picks in the engine (eval/ab_gemm_table.py)")
     mode.add_argument("--device-overrides", metavar="TABLE",
                       help="no tuning: file TABLE's entries (a table tune_gemm wrote on another card) that differ from "
                            "the committed table, in --buckets if given, become that card's own entries in "
@@ -235,6 +242,9 @@ def main(argv=None):
         ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")
     if args.in_layer and not args.buckets:
         ap.error("--in-layer needs --buckets: it times decode layers at batch = each bucket")
+    if args.in_layer and max(int(b) for b in args.buckets.split(",") if b) > MAX_IN_LAYER_M:
+        ap.error(f"--in-layer times decode steps, of at most {MAX_IN_LAYER_M} sequences (max_num_seqs): larger M "
+                 "buckets are prefill GEMMs; tune those without --in-layer")
     if not torch.cuda.is_available():
         raise SystemExit("tune_gemm times the int8 GEMM kernels on a CUDA GPU, and this machine has none")
     if args.pdl:
@@ -242,7 +252,6 @@ def main(argv=None):
     t0 = time.time()
 
     from eightbit.eval.bench_gemm import n_copies, time_graph
-    from eightbit.eval.decode_layers import DecodeLayers, role_of
     from eightbit.kernels import gemm_configs as gc
     from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
@@ -318,8 +327,7 @@ def main(argv=None):
             exact = (xq.double() @ wq0.double().t()).float()
             nc = 1 if args.in_layer else n_copies(n * k)  # a layer stack holds its own weights
             if args.in_layer:
-                model, role = role_of(n, k)
-                stack = DecodeLayers(model, m)
+                model, time_in_layer = in_layer_timer(n, k, m)
             wqs = [wq0] + [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc - 1)]
             xs = torch.rand(m, 1, device="cuda") * 0.01
             x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if args.behind_quant else None
@@ -330,14 +338,14 @@ def main(argv=None):
             timings = {}
             for cfg in cands:
                 try:
-                    tc = timed(cfg)
+                    tc = timed(prev if cfg == prev else cfg)  # the entry in use with its PDL mark
                     out = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.float32, tc)
                     out16 = int8_gemm_with_config(xq, ones_m, wq0, ones_n, None, torch.bfloat16, tc)
                     if not (torch.equal(out, exact) and torch.equal(out16, exact.to(torch.bfloat16))):
                         print(f"WRONG RESULT: {cfg} at M={m} N={n} K={k}", flush=True)
                         continue
                     if args.in_layer:
-                        timings[cfg] = stack.time_us({role: tc})
+                        timings[cfg] = time_in_layer(tc)
                         continue
                     if args.behind_quant:
                         calls = _behind_quant(x16, wqs, wss, tc)
@@ -347,7 +355,10 @@ def main(argv=None):
                     timings[cfg] = time_graph(calls, target_ms=1.0, replays=3)
                 except Exception as e:  # noqa: BLE001
                     print(f"failed: {cfg} at M={m} N={n} K={k}: {repr(e)[:150]}", flush=True)
-            log += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict(), us=round(t, 3)) for c, t in timings.items()]
+            mode = "in_layer" if args.in_layer else "behind_quant" if args.behind_quant else "gemm"
+            log += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict(), us=round(t, 3), timed=mode)
+                    for c, t in timings.items()]
+            time_in_layer = None  # frees the layer stack
             if not timings:
                 carry_over(mb, n, k)
                 continue
@@ -375,13 +386,22 @@ def main(argv=None):
             print(f"N={n:6d} K={k:6d} M<={mb:5d}: {timings[best]:8.1f}us (default {t_default:8.1f}us,"
                   f" before {t_prev:8.1f}us, {what})  {best.key()}", flush=True)
             del wqs, wss, exact, x16
-            stack = None
             torch.cuda.empty_cache()
     kept = [e for (mb, n, k), e in old.items() if mb not in buckets]  # with their recorded times
     if args.log:
         with open(args.log, "w") as f:
             json.dump(log, f)
     _write_table(args.out, kept + entries, t0, note)
+
+
+def in_layer_timer(n, k, m):
+    """(model, config -> us per layer): --in-layer's timing of the (N, K) GEMM at M = m, in its place in a stack of
+    decode layers of the model it belongs to (eval/decode_layers.py), the table's configs in the others."""
+    from eightbit.eval.decode_layers import DecodeLayers, role_of
+
+    model, role = role_of(n, k)
+    stack = DecodeLayers(model, m)
+    return model, lambda cfg: stack.time_us({role: cfg})
 
 
 def _behind_quant(x16, wqs, wss, cfg):

@@ -101,7 +101,7 @@ def test_ab_runs_baseline_candidate_candidate_baseline_and_judges_each_batch(tab
     assert "only one of the tables" not in out
     assert f"this card's own entries replace 1 of the candidate's in both arms, so they compare equal, e.g. " \
            f"(M bucket, N, K) [{tables.hidden}]" in out
-    assert "4 runs per arm" in out  # two rounds
+    assert "4 runs per arm" in out and "1 time in 70" in out and "some one of these 3 up to 3 in 70" in out
 
 
 def test_a_bucket_wins_only_if_every_batch_size_in_it_won():
@@ -110,13 +110,14 @@ def test_a_bucket_wins_only_if_every_batch_size_in_it_won():
     assert ab.winning_buckets(rows) == [32]
 
 
-def test_the_chance_of_a_verdict_by_noise_is_counted_over_every_order_of_the_runs():
+def test_the_chance_of_wins_by_noise_is_counted_over_every_order_of_the_runs():
     for n in (1, 2, 3, 4):  # every split of 2n distinct speeds into n baseline and n candidate runs
         splits = list(itertools.combinations(range(2 * n), n))
         wins = sum(min(c) > max(set(range(2 * n)) - set(c)) for c in splits)
-        assert ab.chance_of_a_verdict(n) == pytest.approx(wins / len(splits))
-    assert "4 runs per arm" in ab.render([], "c.json") and "1 time in 70" in ab.render([], "c.json")
-    assert "1 time in 6" in ab.render([], "c.json", runs_per_arm=2)
+        assert ab.chance_of_wins_by_noise(n) == pytest.approx(wins / len(splits))
+    row = dict(batch=4, bucket=4, baseline=[1.0, 2.0], candidate=[3.0, 4.0], change=1.0, verdict="wins")
+    assert "2 runs per arm" in ab.render([row], "c.json") and "1 time in 6" in ab.render([row], "c.json")
+    assert "some one of these 2 up to 2 in 6" in ab.render([row, dict(row, batch=3)], "c.json")
 
 
 def _fake_engine(records, returncode=0, seen=None):

@@ -69,6 +69,9 @@ def test_tune_gemm_rejects_conflicting_modes(tmp_path, capsys):
     assert "not allowed with argument" in err and "--behind-quant needs --buckets" in err
     assert "argument --behind-quant: not allowed with argument --in-layer" in err
     assert "--in-layer needs --buckets" in err
+    with pytest.raises(SystemExit):
+        tune_gemm.main(["--in-layer", "--buckets", "1,512", "--out", str(out)])
+    assert "--in-layer times decode steps, of at most 256 sequences" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -159,3 +162,25 @@ def test_device_overrides_keep_an_older_cards_source_on_its_kept_entries(tmp_pat
     tune_gemm.write_device_entries(tuned, base, str(out), buckets={8})
     got = {e["m_bucket"]: (e["source"], e["date"]) for e in json.loads(out.read_text())["NVIDIA H200"]["configs"]}
     assert got == {8: ("new.json", "2026-11-28"), 16: ("older.json", "2026-11-01")}
+
+
+def test_in_layer_timing_puts_the_candidate_in_its_gemms_place_in_its_models_layers(monkeypatch):
+    from eightbit.eval import decode_layers
+
+    built, timed = [], []
+
+    class FakeLayers:
+        def __init__(self, model, batch):
+            built.append((model, batch))
+
+        def time_us(self, configs):
+            timed.append(configs)
+            return 42.0
+
+    monkeypatch.setattr(decode_layers, "DecodeLayers", FakeLayers)
+    cfg = GemmConfig(16, 32, 512, 1, 1, 2, 3)
+    model, time_in_layer = tune_gemm.in_layer_timer(2048, 8192, 4)  # Llama-3.2-1B's down
+    assert (model, built) == ("llama-3.2-1b", [("llama-3.2-1b", 4)])
+    assert time_in_layer(cfg) == 42.0 and timed == [{"down": cfg}]
+    with pytest.raises(ValueError, match="N=100, K=64"):
+        tune_gemm.in_layer_timer(100, 64, 4)
