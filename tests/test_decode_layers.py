@@ -112,6 +112,22 @@ def test_each_layer_is_the_engines_decode_layer_with_the_config_in_its_gemms_pla
     assert not torch.equal(stack.tables[0], stack.tables[1])
 
 
+def test_the_real_kernels_run_the_layer_and_write_only_each_sequences_newest_slot():
+    """Under the Triton interpreter (CPU): every kernel wrapper takes what the stack gives it, and rope_kv_write
+    changes the cache at each sequence's newest token and nowhere else."""
+    stack = dl.DecodeLayers("llama-tiny", batch=2, num_layers=1, device="cpu")
+    k_cache, v_cache = stack.caches[0][0], stack.caches[0][1]
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out = stack.layer(0, {"o": MINE})
+    assert tuple(out.shape) == (2, KNOWN_SHAPES["llama-tiny"]["hidden_size"]) and torch.isfinite(out.float()).all()
+    changed = (k_cache != k_before).flatten(2).any(-1).nonzero().tolist()  # [block, offset] pairs
+    last, table = dl.CONTEXT - 1, stack.tables[0]
+    slots = [int(table[b, last // dl.PAGE]) * dl.PAGE + last % dl.PAGE for b in range(2)]  # position CONTEXT - 1
+    assert sorted(b * dl.PAGE + o for b, o in changed) == sorted(slots)
+    v_changed = (v_cache != v_before).any(-2).any(1).nonzero().tolist()  # V is stored [block, head, dim, offset]
+    assert sorted(b * dl.PAGE + o for b, o in v_changed) == sorted(slots)
+
+
 @pytest.mark.gpu
 def test_gpu_the_stack_runs_in_the_chain_and_its_gemm_computes_the_reference(monkeypatch):
     from eightbit.kernels import pdl
