@@ -1,7 +1,7 @@
 """Engine A/B of a GEMM table: does a candidate table make the engine's decode faster than the table in use?
 
     python -m eightbit.eval.ab_gemm_table CANDIDATE.json [--baseline TABLE.json] [--batch-sizes 1,4,32,64]
-        [--rounds 2] [--model llama-3-8b] [--prompt-len 512] [--new-tokens 64] [--out DIR]
+        [--rounds 2] [--card-entries on|off] [--model llama-3-8b] [--prompt-len 512] [--new-tokens 64] [--out DIR]
 
 Small-M GEMM configs cannot be ranked for the engine by timing them alone, behind quant_per_token or behind the
 engine's own producer: on an H200 an 8B o config 2-3.5 % faster in all three timings made batch-1 decode 2.2 %
@@ -19,8 +19,10 @@ bandwidth for a batch size, stops the A/B with its error (each run's output is i
 
 The candidate replaces the whole table (a shape it lacks runs the default config, not the baseline's), so it
 should be a full table, as `tune_gemm --out` writes. A card's own entries (gemm_configs_by_device.json) apply
-in both arms: the shapes they cover compare equal, and the script names any candidate entry they hid (to compare
-those: EIGHTBIT_GEMM_BY_DEVICE=0 in the environment and a --baseline holding the card's entries). Prints the
+in both arms: the shapes they cover compare equal, and the script names any candidate entry they hid. To compare
+those (a re-tune of buckets the card has entries in), --card-entries off runs both arms on their tables alone
+(EIGHTBIT_GEMM_BY_DEVICE=0) against, unless --baseline is given, the table this card runs now (the table in use
+with the card's entries in place, written to OUT/in_use.json). Prints the
 table, writes it with every run's numbers to OUT/ab.json, and names the buckets whose every batch size won
 (`tune_gemm --device-overrides CANDIDATE --buckets ...` files those buckets' entries that differ from the
 committed table as the card's own).
@@ -71,6 +73,24 @@ def decode_gbs(out_dir, batch_sizes):
     return gbs
 
 
+def write_in_use_table(path, base_path, own):
+    """The table at base_path with `own` ({(m_bucket, n, k): GemmConfig}, a card's entries) in place, written to
+    path (shapes only the card has are added); returns path."""
+    with open(base_path) as f:
+        table = json.load(f)
+    keys = set()
+    configs = []
+    for e in table["configs"]:
+        key = gemm_configs.entry_key(e)
+        keys.add(key)
+        configs.append(dict(m_bucket=key[0], n=key[1], k=key[2], config=own[key].to_dict()) if key in own else e)
+    configs += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict()) for (mb, n, k), c in own.items() if (mb, n, k) not in keys]
+    with open(path, "w") as f:
+        json.dump(dict(table, configs=configs, note=f"{base_path} with this card's own entries in place "
+                       "(ab_gemm_table --card-entries off)"), f, indent=1)
+    return path
+
+
 def run_arm(table, out_dir, args):
     """One fresh engine process on table, its output in out_dir/run.log; its decode GB/s per batch size."""
     cmd = [sys.executable, "-m", "eightbit.eval.bench_cli", "run", "--system", "eightbit-int8", "--model", args.model,
@@ -79,7 +99,10 @@ def run_arm(table, out_dir, args):
     os.makedirs(out_dir, exist_ok=True)
     log = os.path.join(out_dir, "run.log")
     with open(log, "w") as f:
-        done = subprocess.run(cmd, env=dict(os.environ, **{TABLE_ENV: table}), stdout=f, stderr=subprocess.STDOUT)
+        env = dict(os.environ, **{TABLE_ENV: table})
+        if getattr(args, "card_entries", "on") == "off":
+            env["EIGHTBIT_GEMM_BY_DEVICE"] = "0"
+        done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"the engine run on {table} failed (exit code {done.returncode}): see {log}")
     return decode_gbs(out_dir, parse_batch_sizes(args.batch_sizes))
@@ -171,6 +194,9 @@ def main(argv=None, run=run_arm):
     ap.add_argument("--baseline", default=None, help="default: the table in use (EIGHTBIT_GEMM_TABLE or the committed)")
     ap.add_argument("--batch-sizes", default="1,4,32,64")
     ap.add_argument("--rounds", type=int, default=2, help="each round: baseline, candidate, candidate, baseline")
+    ap.add_argument("--card-entries", choices=("on", "off"), default="on",
+                    help="off: both arms run their table alone (EIGHTBIT_GEMM_BY_DEVICE=0); the default baseline is "
+                         "then the table this card runs now, its own entries in place (OUT/in_use.json)")
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -189,12 +215,17 @@ def main(argv=None, run=run_arm):
     if not torch.cuda.is_available():
         raise SystemExit("ab_gemm_table compares GEMM tables in the engine on a CUDA GPU, and this machine has none")
     own = device_entries(device_name_of(torch.device("cuda")))
+    os.makedirs(args.out, exist_ok=True)
+    if args.card_entries == "off":
+        if args.baseline is None:
+            tables["baseline"] = write_in_use_table(os.path.join(args.out, "in_use.json"), tables["baseline"], own)
+            _check_tables(tables["baseline"], tables["candidate"])
+        own = {}
     hidden = [key for key in cand if key in own and own[key] != cand[key]]
     if hidden:
         print(f"[ab] warning: this card's own entries replace {len(hidden)} of the candidate's in both arms, so they "
-              f"compare equal, e.g. (M bucket, N, K) {hidden[:3]}; to compare them, run with EIGHTBIT_GEMM_BY_DEVICE=0 "
-              "and a --baseline that holds the card's entries", flush=True)
-    os.makedirs(args.out, exist_ok=True)
+              f"compare equal, e.g. (M bucket, N, K) {hidden[:3]}; to compare them, run with "
+              "--card-entries off", flush=True)
     runs = []
     for i, arm in enumerate(ORDER * args.rounds):
         gbs = run(tables[arm], os.path.join(args.out, f"{i:02d}_{arm}"), args)

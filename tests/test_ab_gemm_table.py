@@ -123,7 +123,7 @@ def test_the_chance_of_wins_by_noise_is_counted_over_every_order_of_the_runs():
 def _fake_engine(records, returncode=0, seen=None):
     def fake_subprocess_run(cmd, env, stdout, stderr):
         if seen is not None:
-            seen.update(cmd=cmd, table=env[gc.TABLE_ENV])
+            seen.update(cmd=cmd, table=env[gc.TABLE_ENV], by_device=env.get("EIGHTBIT_GEMM_BY_DEVICE"))
         out = cmd[cmd.index("--out") + 1]
         with open(os.path.join(out, "results.jsonl"), "w") as f:
             f.write("\n".join(json.dumps(r) for r in records) + "\n")
@@ -141,6 +141,30 @@ def test_run_arm_points_the_engine_at_its_table_and_reads_its_records(tmp_path, 
     assert ab.run_arm("/t/cand.json", str(tmp_path / "r"), args) == {4: 2700.0, 8: 2800.0}
     assert seen["table"] == "/t/cand.json" and seen["cmd"][seen["cmd"].index("--batch-sizes") + 1] == "4,8"
     assert (tmp_path / "r" / "run.log").read_text() == "engine log\n"
+    assert seen["by_device"] is None  # the card's own entries apply as usual
+    args.card_entries = "off"
+    ab.run_arm("/t/cand.json", str(tmp_path / "r_off"), args)
+    assert seen["by_device"] == "0"
+
+
+def test_card_entries_off_compares_the_candidate_with_what_the_card_runs_now(tables, capsys):
+    tables_seen = []
+
+    def fake_run(table, out_dir, args):
+        tables_seen.append((table, args.card_entries))
+        return {32: 100.0}
+
+    assert ab.main(_args(tables.dir, **{"batch-sizes": "32", "card-entries": "off"}), run=fake_run) == 0
+    in_use = str(tables.dir / "ab" / "in_use.json")
+    assert {t for t, _ in tables_seen} == {in_use, str(tables.dir / "cand.json")}
+    assert {mode for _, mode in tables_seen} == {"off"}
+    baseline = gc.read_table(in_use)  # the committed table with the (fake) card's entry in place
+    committed = gc.table_entries()
+    assert baseline[tables.hidden] == GemmConfig(32, 64, 256, 1, 1, 4, 4) != committed[tables.hidden]
+    assert {key: c for key, c in baseline.items() if key != tables.hidden} == \
+           {key: c for key, c in committed.items() if key != tables.hidden}
+    out = capsys.readouterr().out
+    assert "own entries replace" not in out and "not measured" not in out  # nothing of the candidate is hidden
 
 
 def test_run_arm_stops_on_a_failed_run_or_a_batch_without_bandwidth(tmp_path, monkeypatch):
