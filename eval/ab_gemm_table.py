@@ -74,20 +74,13 @@ def decode_gbs(out_dir, batch_sizes):
 
 
 def write_in_use_table(path, base_path, own):
-    """The table at base_path with `own` ({(m_bucket, n, k): GemmConfig}, a card's entries) in place, written to
-    path (shapes only the card has are added); returns path."""
-    with open(base_path) as f:
-        table = json.load(f)
-    keys = set()
-    configs = []
-    for e in table["configs"]:
-        key = gemm_configs.entry_key(e)
-        keys.add(key)
-        configs.append(dict(m_bucket=key[0], n=key[1], k=key[2], config=own[key].to_dict()) if key in own else e)
-    configs += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict()) for (mb, n, k), c in own.items() if (mb, n, k) not in keys]
+    """The table at base_path with `own` ({(m_bucket, n, k): GemmConfig}, a card's entries) in place, as get_config
+    merges them, written to path; returns path."""
+    merged = {**read_table(base_path), **own}
+    configs = [dict(m_bucket=mb, n=n, k=k, config=c.to_dict()) for (mb, n, k), c in sorted(merged.items())]
     with open(path, "w") as f:
-        json.dump(dict(table, configs=configs, note=f"{base_path} with this card's own entries in place "
-                       "(ab_gemm_table --card-entries off)"), f, indent=1)
+        json.dump(dict(note=f"{base_path} with this card's own entries in place (ab_gemm_table --card-entries off)",
+                       configs=configs), f, indent=1)
     return path
 
 
@@ -100,7 +93,7 @@ def run_arm(table, out_dir, args):
     log = os.path.join(out_dir, "run.log")
     with open(log, "w") as f:
         env = dict(os.environ, **{TABLE_ENV: table})
-        if getattr(args, "card_entries", "on") == "off":
+        if args.card_entries == "off":
             env["EIGHTBIT_GEMM_BY_DEVICE"] = "0"
         done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
@@ -159,8 +152,9 @@ def render(rows, candidate, hidden=()):
     if rows:
         n, sizes = len(rows[0]["baseline"]), len(rows)
         odds = round(1 / chance_of_wins_by_noise(n))
-        lines.append(f"{n} runs per arm: with no real difference a batch size reads \"wins\" by chance 1 time in {odds} "
-                     f"(\"loses\" as often)" + (f"; some one of these {sizes} up to {sizes} in {odds}" if sizes > 1 else ""))
+        several = f"; some one of these {sizes} up to {sizes} in {odds}" if sizes > 1 else ""
+        lines.append(f"{n} runs per arm: with no real difference a batch size reads \"wins\" by chance 1 time in "
+                     f"{odds} (\"loses\" as often){several}")
     if not won:
         lines.append("no bucket won in every run")
         return "\n".join(lines)

@@ -135,19 +135,19 @@ def check_close(name, out, ref, tol=2e-2):
 # --- inputs --------------------------------------------------------------------------------
 
 
-def make_cache(num_blocks, d, kind):
+def make_cache(num_blocks, d, kind, kv_heads=HKV, device="cuda"):
     from eightbit.kernels.reference import v_cache_shape
 
-    shape = (num_blocks, PAGE, HKV, d)
+    shape = (num_blocks, PAGE, kv_heads, d)
     if kind == "int8":
-        kc = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
-        vc = torch.randint(-127, 128, v_cache_shape(*shape, torch.int8), dtype=torch.int8, device="cuda")
-        sshape = (num_blocks, PAGE, HKV, d // GROUP)
-        ks = (torch.rand(sshape, device="cuda") * 0.02 + 0.001).half()
-        vs = (torch.rand(sshape, device="cuda") * 0.02 + 0.001).half()
+        kc = torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+        vc = torch.randint(-127, 128, v_cache_shape(*shape, torch.int8), dtype=torch.int8, device=device)
+        sshape = (num_blocks, PAGE, kv_heads, d // GROUP)
+        ks = (torch.rand(sshape, device=device) * 0.02 + 0.001).half()
+        vs = (torch.rand(sshape, device=device) * 0.02 + 0.001).half()
         return kc, vc, ks, vs
-    kc = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    vc = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    kc = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    vc = torch.randn(shape, dtype=torch.bfloat16, device=device)
     return kc, vc, None, None
 
 

@@ -24,18 +24,16 @@ import torch
 
 from eightbit.engine.dummy import KNOWN_SHAPES, dummy_config
 from eightbit.engine.layers.rotary import cos_sin_cache
+from eightbit.eval.bench_attention import PAGE, make_cache
 from eightbit.kernels.decode_attention import decode_attention
 from eightbit.kernels.int8_gemm import int8_gemm_with_config
 from eightbit.kernels.kv_write import rope_kv_write
 from eightbit.kernels.quant_per_token import quant_per_token
-from eightbit.kernels.reference import v_cache_shape
 from eightbit.kernels.rmsnorm_quant import rmsnorm_quant
 from eightbit.kernels.silu_mul_quant import silu_mul_quant
 
 ROLES = ("qkv", "o", "gate_up", "down")
 MODELS = ("llama-3-8b", "llama-3.2-1b")  # the shapes tune_gemm tunes
-PAGE = 16  # the engine's KV block size
-KV_GROUP = 32  # the int8 cache's scale group
 CONTEXT = 544  # tokens per sequence: the engine benchmark's 512-token prompts part-way through 64 new tokens
 
 
@@ -56,15 +54,6 @@ def role_of(n, k):
     raise ValueError(f"no linear layer of {MODELS} has N={n}, K={k}: --in-layer times the GEMMs of those models only")
 
 
-def _int8_cache(num_blocks, kv_heads, d, device):
-    k = torch.randint(-127, 128, (num_blocks, PAGE, kv_heads, d), dtype=torch.int8, device=device)
-    v = torch.randint(-127, 128, v_cache_shape(num_blocks, PAGE, kv_heads, d, torch.int8), dtype=torch.int8,
-                      device=device)
-    scales = [(torch.rand(num_blocks, PAGE, kv_heads, d // KV_GROUP, device=device) * 0.02 + 1e-3).half()
-              for _ in range(2)]
-    return k, v, *scales
-
-
 class DecodeLayers:
     """num_layers decode layers of `model` at batch `batch` (the GEMMs' M), each with its own random weights, int8
     cache and block table."""
@@ -80,7 +69,8 @@ class DecodeLayers:
                         for _ in range(num_layers)]
         used = math.ceil(context / PAGE)
         width = s["max_position_embeddings"] // PAGE  # the engine's graph table: max_model_len / block_size
-        self.caches = [_int8_cache(batch * used, self.kv_heads, self.head_dim, device) for _ in range(num_layers)]
+        self.caches = [make_cache(batch * used, self.head_dim, "int8", self.kv_heads, device)
+                       for _ in range(num_layers)]
         self.tables = [torch.nn.functional.pad(
             torch.randperm(batch * used, dtype=torch.int32, device=device).view(batch, used), (0, width - used))
             for _ in range(num_layers)]

@@ -308,6 +308,7 @@ def main(argv=None):
     print(f"warmed {len(uniq)} kernels in {time.time() - t0:.0f}s ({len(bad)} failed)", flush=True)
 
     entries, log = [], []
+    mode = "in_layer" if args.in_layer else "behind_quant" if args.behind_quant else "gemm"  # how times were taken
 
     def carry_over(mb, n, k):
         """A bucket that was not re-timed keeps its committed entry (with its recorded times), if it has one."""
@@ -355,7 +356,6 @@ def main(argv=None):
                     timings[cfg] = time_graph(calls, target_ms=1.0, replays=3)
                 except Exception as e:  # noqa: BLE001
                     print(f"failed: {cfg} at M={m} N={n} K={k}: {repr(e)[:150]}", flush=True)
-            mode = "in_layer" if args.in_layer else "behind_quant" if args.behind_quant else "gemm"
             log += [dict(m_bucket=mb, n=n, k=k, config=c.to_dict(), us=round(t, 3), timed=mode)
                     for c, t in timings.items()]
             time_in_layer = None  # frees the layer stack
@@ -375,10 +375,8 @@ def main(argv=None):
             entry = dict(m_bucket=mb, n=n, k=k, config=config, us=round(timings[best], 2),
                          default_us=round(timings.get(default, float("nan")), 2),
                          prev_us=round(timings.get(prev, float("nan")), 2), prev_config=prev.to_dict())
-            if args.behind_quant:
-                entry["timed"] = "behind_quant"  # the times include quant_per_token, all launched with PDL
-            elif args.in_layer:
-                entry["timed"] = "in_layer"  # microseconds per decode layer, this GEMM one of its kernels
+            if mode != "gemm":  # behind_quant: times include quant_per_token; in_layer: microseconds per decode layer
+                entry["timed"] = mode
             entries.append(entry)
             what = ("quant + GEMM" if args.behind_quant else f"a {model} decode layer" if args.in_layer
                     else f"{n * k / timings[best] / 1e3:6.0f} GB/s")

@@ -137,7 +137,8 @@ def test_run_arm_points_the_engine_at_its_table_and_reads_its_records(tmp_path, 
     records = [dict(bench="copy", ok=True), dict(bench="latency", ok=True, batch=4, achieved_gbs=2700.0),
                dict(bench="latency", ok=True, batch=8, achieved_gbs=2800.0)]
     monkeypatch.setattr(ab.subprocess, "run", _fake_engine(records, seen=seen))
-    args = types.SimpleNamespace(model="llama-3-8b", batch_sizes="4,8", prompt_len=512, new_tokens=64)
+    args = types.SimpleNamespace(model="llama-3-8b", batch_sizes="4,8", prompt_len=512, new_tokens=64,
+                                 card_entries="on")
     assert ab.run_arm("/t/cand.json", str(tmp_path / "r"), args) == {4: 2700.0, 8: 2800.0}
     assert seen["table"] == "/t/cand.json" and seen["cmd"][seen["cmd"].index("--batch-sizes") + 1] == "4,8"
     assert (tmp_path / "r" / "run.log").read_text() == "engine log\n"
@@ -168,7 +169,8 @@ def test_card_entries_off_compares_the_candidate_with_what_the_card_runs_now(tab
 
 
 def test_run_arm_stops_on_a_failed_run_or_a_batch_without_bandwidth(tmp_path, monkeypatch):
-    args = types.SimpleNamespace(model="llama-3-8b", batch_sizes="4,8", prompt_len=512, new_tokens=64)
+    args = types.SimpleNamespace(model="llama-3-8b", batch_sizes="4,8", prompt_len=512, new_tokens=64,
+                                 card_entries="on")
     monkeypatch.setattr(ab.subprocess, "run", _fake_engine([], returncode=3))
     with pytest.raises(SystemExit, match="failed \\(exit code 3\\): see .*r1/run.log"):
         ab.run_arm("/t/cand.json", str(tmp_path / "r1"), args)
