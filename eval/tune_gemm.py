@@ -438,7 +438,8 @@ def write_device_entries(table_path, base_path, out_path, buckets):
     """The entries of the table at table_path (its "device" names the card) in `buckets` that launch differently
     from the committed table at base_path become that card's entries in the per-device file at out_path; its earlier
     entries in those buckets go, those in other buckets and other cards' stay (a card left with none is dropped).
-    Each filed entry records its source table and that table's date."""
+    Each filed entry records its source table and that table's date; one the card already had, unchanged, keeps its
+    earlier record."""
     from eightbit.kernels import gemm_configs as gc
 
     with open(table_path) as f:
@@ -458,12 +459,16 @@ def write_device_entries(table_path, base_path, out_path, buckets):
 
     earlier = data.get(device, {})
     # entries filed before entries named their source keep the one their card's header named
-    mine = {gc.entry_key(e): e if "source" in e else {**e, "source": earlier.get("source"), "date": earlier.get("date")}
-            for e in earlier.get("configs", []) if e["m_bucket"] not in buckets}
+    before = {gc.entry_key(e): e if "source" in e else {**e, "source": earlier.get("source"), "date": earlier.get("date")}
+              for e in earlier.get("configs", [])}
+    mine = {key: e for key, e in before.items() if e["m_bucket"] not in buckets}
     for e in table["configs"]:
         key = gc.entry_key(e)
         if e["m_bucket"] in buckets and (key not in base or _launch_of(e) != _launch_of(base[key])):
-            mine[key] = dict(e, source=os.path.basename(table_path), date=table.get("date"))
+            if key in before and _launch_of(before[key]) == _launch_of(e):
+                mine[key] = before[key]  # filed again unchanged: it keeps the record of the run that chose it
+            else:
+                mine[key] = dict(e, source=os.path.basename(table_path), date=table.get("date"))
     if mine:  # each entry names the table it came from; the card's entries may come from several filings
         data[device] = dict(triton=table.get("triton"), torch=table.get("torch"),
                             configs=sorted(mine.values(), key=gc.entry_key))

@@ -164,6 +164,22 @@ def test_device_overrides_keep_an_older_cards_source_on_its_kept_entries(tmp_pat
     assert got == {8: ("new.json", "2026-11-28"), 16: ("older.json", "2026-11-01")}
 
 
+def test_device_overrides_keep_the_record_of_an_entry_filed_again_unchanged(tmp_path):
+    """Filing one new entry of a bucket files the card's other entries there again (the tuned table holds them,
+    as the card ran them): those keep the source, date and times of the run that chose them."""
+    import json
+
+    base = _table_file(tmp_path / "base.json", [_entry(8, 64, 64, OLD), _entry(8, 128, 64, OLD)], device="NVIDIA H100")
+    out = tmp_path / "by_device.json"
+    first = dict(_entry(8, 128, 64, OTHER), us=10.0, source="first.json", date="2026-11-01")
+    out.write_text(json.dumps({"NVIDIA H200": {"configs": [first]}}))
+    tuned = _table_file(tmp_path / "second.json", [dict(_entry(8, 64, 64, NEW), us=5.0),
+                                                   dict(_entry(8, 128, 64, OTHER), us=11.0)])
+    tune_gemm.write_device_entries(tuned, base, str(out), buckets={8})
+    got = {(e["n"], e["source"], e["us"]) for e in json.loads(out.read_text())["NVIDIA H200"]["configs"]}
+    assert got == {(64, "second.json", 5.0), (128, "first.json", 10.0)}
+
+
 def test_in_layer_timing_puts_the_candidate_in_its_gemms_place_in_its_models_layers(monkeypatch):
     from eightbit.eval import decode_layers
 
