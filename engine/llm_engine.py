@@ -73,7 +73,8 @@ class LLMEngine:
         if self.on_cuda:
             self.runner.compile_gemms(config.max_num_batched_tokens)
         num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          -(-self.max_model_len // config.block_size))
         self.runner.block_manager = self.block_manager
         self.runner.allocate_kv_cache(num_blocks, self.kv_dtype, self.kv_group_size)
         if self.on_cuda and not config.enforce_eager:

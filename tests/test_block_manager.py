@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -248,7 +249,28 @@ def test_copy_on_write_keeps_original_cached():
 
 def snapshot(bm):
     return (list(bm._free), list(bm._ref), {h: list(bs) for h, bs in bm._cached.items()}, {s: list(t) for s, t in bm._tables.items()},
-            dict(bm._num_tokens), bm.num_prefix_hit_tokens, bm.num_prefix_queried_tokens)
+            dict(bm._num_tokens), bm.num_prefix_hit_tokens, bm.num_prefix_queried_tokens, bm._rows.tolist(),
+            list(bm._free_rows))
+
+
+def test_block_tables_gathers_rows_and_max_blocks_per_seq_is_enforced():
+    bm = BlockManager(64, block_size=4, max_blocks_per_seq=3)
+    for i in range(20):  # more sequences than the rows first allocated: the array grows
+        assert bm.allocate(i, tokens(1 + i % 12)) == 0
+    rows, lengths = bm.block_tables([5, 0, 11])
+    assert lengths == [2, 1, 3] and rows.shape == (3, 3)
+    assert rows.tolist() == [bm.block_table(5) + [0], bm.block_table(0) + [0, 0], bm.block_table(11)]
+    bm.free(11)
+    assert bm.allocate("new", tokens(2)) == 0  # takes the freed row, which must read as its one block
+    assert bm.block_tables(["new"])[0].tolist() == [bm.block_table("new")]
+    before = snapshot(bm)
+    with pytest.raises(ValueError, match=r"13 tokens need 4 blocks, more than max_blocks_per_seq=3"):
+        bm.allocate("long", tokens(13))
+    with pytest.raises(ValueError, match=r"13 tokens need 4 blocks, more than max_blocks_per_seq=3"):
+        bm.append_slots(10, 13)
+    assert snapshot(bm) == before
+    with pytest.raises(ValueError, match="max_blocks_per_seq must be >= 1, got 0"):
+        BlockManager(4, max_blocks_per_seq=0)
 
 
 def test_out_of_blocks_returns_none_and_changes_nothing():
@@ -462,6 +484,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert not set(free) & set(holders)  # a block is either free or held, never both
         assert len(free) + len(holders) == bm.num_blocks  # no leak
         assert bm._ref == [holders[b] for b in range(bm.num_blocks)]  # refcount == number of holders
+        seqs = sorted(self.tokens)
+        rows, lengths = bm.block_tables(seqs)  # the array the model runner gathers: the same tables, zero-padded
+        assert lengths == [len(bm.block_table(s)) for s in seqs] and rows.dtype == np.int32
+        assert rows.tolist() == [bm.block_table(s) + [0] * (rows.shape[1] - n) for s, n in zip(seqs, lengths)]
+        assert not bm._rows[bm._free_rows].any()  # a freed table leaves no ids behind in its row
         registered = [b for blocks in bm._cached.values() for b in blocks]
         for h, blocks in bm._cached.items():  # a cached block still holds the tokens it is registered under
             assert blocks
