@@ -1,0 +1,166 @@
+"""Is a decode step paced by the GPU or by the host? The engine's host work per decode step, measured.
+
+With async scheduling the host prepares step t + 1 and post-processes step t while the GPU runs; a step whose
+sampled tokens are already there when the host asks for them (a wait of ~0) was paced by the host, and the GPU
+idled. Per batch size, over the decode steps of B requests added at once (random token prompts, greedy, every
+request reported at every step as `run_requests` does), this prints the medians of:
+- step: the wall time of `LLMEngine.step()`;
+- wait: the host's time blocked on the step's tokens (`LLMEngine._tokens_to_host`);
+- GPU (CUDA only): the GPU's span from the step's first input upload to its tokens' copy (CUDA events recorded as
+  `ModelRunner._run_graph` starts and `LLMEngine._launch` returns), what a step would take if the host kept up.
+
+`--stub-model` replaces the model by zero hidden states and fixed logits: what is left is the host work alone,
+which is how to measure it on a machine without a GPU (the development machine's numbers in engine.md, runs 62-65).
+
+    python -m eightbit.eval.bench_host --model llama-3.2-1b --batch-sizes 8,64,256      # a GPU machine
+    python -m eightbit.eval.bench_host --model llama-tiny --stub-model --batch-sizes 64,256 --device cpu
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from eightbit.eval.bench_common import random_prompts
+from eightbit.eval.bench_engine import build_llm
+
+
+def stub_model(engine, seed=0):
+    """Replace the engine's forward by zeros and its logits by a fixed random [rows, vocab] table (row i for the
+    step's i-th sampling row). Returns that table."""
+    runner, hidden = engine.runner, engine.hf_config.hidden_size
+    device, dtype = engine.config.device, engine.model.model.embed_tokens.weight.dtype
+    fixed = torch.randn(engine.config.max_num_seqs, engine.hf_config.vocab_size,
+                        generator=torch.Generator().manual_seed(seed)).to(device)
+    runner._run_graph = lambda input_ids, positions, context: None
+    runner._run_eager = lambda input_ids, positions, context: torch.zeros(len(input_ids), hidden, dtype=dtype,
+                                                                          device=device)
+    engine.model.compute_logits = lambda h: fixed[: len(h)]
+    return fixed
+
+
+class StepTimer:
+    """Wraps the engine's step parts (on the instance) to record each step's wait and, on CUDA, its GPU span."""
+
+    def __init__(self, engine):
+        self.cuda = engine.on_cuda
+        self.waits, self.spans, self._start = [], [], None
+        tokens_to_host, launch, run_graph = engine._tokens_to_host, engine._launch, engine.runner._run_graph
+
+        def timed_tokens_to_host(launched):
+            t = time.perf_counter()
+            tokens = tokens_to_host(launched)
+            self.waits.append(time.perf_counter() - t)
+            return tokens
+
+        def timed_run_graph(*args):  # the step's inputs are built; its first upload comes next
+            if self.cuda:
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+            return run_graph(*args)
+
+        def timed_launch(*args, **kwargs):
+            step = launch(*args, **kwargs)  # the tokens' copy to the host is queued by now
+            if self.cuda and step.tokens is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.spans.append((self._start, end))
+            return step
+
+        engine._tokens_to_host, engine._launch = timed_tokens_to_host, timed_launch
+        engine.runner._run_graph = timed_run_graph
+
+    def gpu_us(self, spans):
+        """The GPU spans of these (start, end) event pairs, microseconds; waits for them to finish."""
+        torch.cuda.synchronize()
+        return [1e3 * start.elapsed_time(end) for start, end in spans]
+
+
+def decode_steps(engine, timer, batch, prompt_len, new_tokens, seed):
+    """Run `batch` requests to the end. Per decode step after the first two and before the last two (the
+    pipeline's fill and drain): (step seconds, wait seconds); and the GPU spans (µs) of the steps launched during
+    them (CUDA), read once the run is over so that no event makes the host wait mid-run."""
+    from eightbit import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.hf_config.vocab_size, seed)):
+        engine.add_request(f"host-{seed}-{batch}-{i}", prompt, params)
+    rows, spans = [], []
+    while engine.has_unfinished_requests():
+        decode = all(r.seqs[0].num_output_tokens > 0 for r in engine.requests.values())
+        del timer.waits[:], timer.spans[:]
+        t = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t
+        if decode:
+            rows.append((wall, sum(timer.waits)))
+            spans += timer.spans
+    gpu = timer.gpu_us(spans[2:-2] or spans) if timer.cuda else []
+    return rows[2:-2] or rows, gpu
+
+
+def bench_host(llm, batch_sizes, prompt_len=512, new_tokens=64, seed=0):
+    """Per batch size: dict(batch, steps, step_us, wait_us, gpu_us) (medians; gpu_us None off CUDA)."""
+    engine = llm.engine
+    timer = StepTimer(engine)
+    results = []
+    for b in batch_sizes:
+        decode_steps(engine, timer, b, prompt_len, min(new_tokens, 4), seed + 1000 + b)  # warm-up
+        rows, gpu = decode_steps(engine, timer, b, prompt_len, new_tokens, seed + b)
+        results.append(dict(batch=b, steps=len(rows), step_us=1e6 * statistics.median(r[0] for r in rows),
+                            wait_us=1e6 * statistics.median(r[1] for r in rows),
+                            gpu_us=statistics.median(gpu) if gpu else None))
+    return results
+
+
+def gpu_paced(r) -> bool:
+    """Whether the GPU set the steps' pace: its span fills the step (within 7 %), or, where no span was measured,
+    the host waited for the tokens (> 5 % of the step). With the host's work and the GPU's about equal, the wait is
+    ~0 either way, so the span decides where there is one."""
+    if r["gpu_us"] is not None:
+        return r["gpu_us"] >= 0.93 * r["step_us"]
+    return r["wait_us"] > 0.05 * r["step_us"]
+
+
+def format_results(results, model, stub) -> str:
+    lines = [f"decode steps of {model}{' (model stubbed out: host work alone)' if stub else ''}, medians, µs",
+             f"{'batch':>6} {'steps':>6} {'step':>9} {'wait':>9} {'GPU':>9} {'µs / seq':>9}  paced by"]
+    for r in results:
+        gpu = "-" if r["gpu_us"] is None else f"{r['gpu_us']:9.0f}"
+        paced = "-" if stub else "GPU" if gpu_paced(r) else "host"  # a stub has no GPU work
+        lines.append(f"{r['batch']:>6} {r['steps']:>6} {r['step_us']:9.0f} {r['wait_us']:9.0f} {gpu:>9} "
+                     f"{r['step_us'] / r['batch']:9.1f}  {paced}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-3.2-1b", help="a dummy shape (eightbit.engine.dummy)")
+    p.add_argument("--system", default="eightbit-int8", choices=("eightbit-int8", "eightbit-bf16"))
+    p.add_argument("--batch-sizes", default="8,64,256")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--stub-model", action="store_true", help="zero hidden states and fixed logits: host work alone")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    options = dict(max_num_seqs=max(256, *batch_sizes))  # the engine's default, or room for the largest batch
+    if device == "cpu":
+        options.update(dtype="float32", kv_cache_memory_gb=1.0)
+    llm = build_llm(args.system, args.model, device, **options)
+    if args.stub_model:
+        stub_model(llm.engine)
+    results = bench_host(llm, batch_sizes, args.prompt_len, args.new_tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, system=args.system, stub=args.stub_model, results=results), f, indent=1)
+    print(format_results(results, args.model, args.stub_model))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
