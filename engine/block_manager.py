@@ -18,7 +18,8 @@ Three ideas, after vLLM's KVCacheManager/BlockPool:
 
 Each table is kept twice: as a Python list, which the logic here reads, and as a row of one int32 numpy array,
 zero past the table's end, which a step's input building gathers in one call (`block_tables`) instead of
-converting B lists of Python ints (~0.5 ms at B = 256, where a decode step's whole host budget is a few ms).
+converting B lists of Python ints (~0.5 ms at B = 256 on the development CPU, where a decode step's whole host
+budget is a few ms).
 """
 
 import hashlib
@@ -47,7 +48,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_blocks_per_seq: int | None = None):
         """max_blocks_per_seq: the longest table a sequence may hold (the engine's max_model_len in blocks); the
-        width of the table rows. None: num_blocks."""
+        width of the table rows. None: num_blocks, which costs num_blocks int32s a live sequence (fine for the small
+        pools of tests; a large cache should pass its own)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -87,6 +89,7 @@ class BlockManager:
         return num_blocks <= len(self._free)
 
     def block_table(self, seq_id) -> list[int]:
+        """One sequence's table, a copy as a list (a step's batch of them: block_tables)."""
         return list(self._tables[seq_id])
 
     def block_tables(self, seq_ids) -> tuple[np.ndarray, list[int]]:

@@ -221,7 +221,8 @@ class ModelRunner:
         positions = np.arange(cu[-1]) - cu[row] + starts[row]
         slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
         if input_tokens is None:
-            input_ids = [t for seq, n in scheduled for t in seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]]
+            input_ids = [t for seq, n in scheduled
+                         for t in seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]]
             samples = ends == np.fromiter((seq.num_tokens for seq in seqs), np.int64, len(seqs))
         else:  # a continuation: every sequence samples
             samples = np.ones(len(seqs), bool)

@@ -7,10 +7,12 @@ request reported at every step as `run_requests` does), this prints the medians 
 - step: the wall time of `LLMEngine.step()`;
 - wait: the host's time blocked on the step's tokens (`LLMEngine._tokens_to_host`);
 - GPU (CUDA only): the GPU's span from the step's first input upload to its tokens' copy (CUDA events recorded as
-  `ModelRunner._run_graph` starts and `LLMEngine._launch` returns), what a step would take if the host kept up.
+  `ModelRunner._run_graph` starts and `LLMEngine._launch` returns): an upper bound on the step's GPU work, since
+  it also holds any gap in which the GPU waited for the host's launches inside the step (the logits and sampling
+  kernels after the graph), which a host that keeps up does not leave.
 
 `--stub-model` replaces the model by zero hidden states and fixed logits: what is left is the host work alone,
-which is how to measure it on a machine without a GPU (the development machine's numbers in engine.md, runs 62-65).
+which is how to measure it on a machine without a GPU (engine.md, runs 62-66, has both kinds of numbers).
 
     python -m eightbit.eval.bench_host --model llama-3.2-1b --batch-sizes 8,64,256      # a GPU machine
     python -m eightbit.eval.bench_host --model llama-tiny --stub-model --batch-sizes 64,256 --device cpu

@@ -31,7 +31,7 @@ def test_bench_host_counts_the_decode_steps(tiny_llm):
         # the prefill step gives each request its first token; the rest come one decode step each, less the first
         # two and the last two steps that bench_host leaves out
         assert r["steps"] == new_tokens - 1 - 4
-        assert 0 <= r["wait_us"] <= r["step_us"] and r["gpu_us"] is None
+        assert r["gpu_us"] is None  # no CUDA events off the GPU
     assert not tiny_llm.engine.has_unfinished_requests() and tiny_llm.engine.block_manager.num_used_blocks == 0
 
 
