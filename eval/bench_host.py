@@ -1,8 +1,8 @@
 """Is a decode step paced by the GPU or by the host? The engine's host work per decode step, measured.
 
 With async scheduling the host prepares step t + 1 and post-processes step t while the GPU runs; a step whose
-sampled tokens are already there when the host asks for them (a wait of ~0) was paced by the host, and the GPU
-idled. Per batch size, over the decode steps of B requests added at once (random token prompts, greedy, every
+sampled tokens are already there when the host asks for them (a wait of ~0) was paced by the host, or both sides
+took about as long; the GPU's own span tells which. Per batch size, over the decode steps of B requests added at once (random token prompts, greedy, every
 request reported at every step as `run_requests` does), this prints the medians of:
 - step: the wall time of `LLMEngine.step()`;
 - wait: the host's time blocked on the step's tokens (`LLMEngine._tokens_to_host`);
