@@ -226,7 +226,7 @@ class ModelRunner:
             samples = ends == np.fromiter((seq.num_tokens for seq in seqs), np.int64, len(seqs))
         else:  # a continuation: every sequence samples
             samples = np.ones(len(seqs), bool)
-        nd = int(np.argmax(counts != 1)) if (counts != 1).any() else len(seqs)  # run() put one-token seqs first
+        nd = int(np.count_nonzero(counts == 1))  # run() put the one-token sequences first
         # Built on the host; moved to the device by _run_eager or copied into the graphs' buffers.
         context = Context(
             slot_mapping=torch.from_numpy(slots),

@@ -2,8 +2,9 @@
 
 With async scheduling the host prepares step t + 1 and post-processes step t while the GPU runs; a step whose
 sampled tokens are already there when the host asks for them (a wait of ~0) was paced by the host, or both sides
-took about as long; the GPU's own span tells which. Per batch size, over the decode steps of B requests added at once (random token prompts, greedy, every
-request reported at every step as `run_requests` does), this prints the medians of:
+took about as long; the GPU's own span tells which. Per batch size, over the decode steps of B requests added at
+once (`bench_engine.run_requests`: random token prompts, greedy, every request reported at every step), this
+prints the medians of:
 - step: the wall time of `LLMEngine.step()`;
 - wait: the host's time blocked on the step's tokens (`LLMEngine._tokens_to_host`);
 - GPU (CUDA only): the GPU's span from the step's first input upload to its tokens' copy (CUDA events recorded as
@@ -26,7 +27,7 @@ import time
 import torch
 
 from eightbit.eval.bench_common import random_prompts
-from eightbit.eval.bench_engine import build_llm
+from eightbit.eval.bench_engine import build_llm, run_requests
 
 
 def stub_model(engine, seed=0):
@@ -44,17 +45,31 @@ def stub_model(engine, seed=0):
 
 
 class StepTimer:
-    """Wraps the engine's step parts (on the instance) to record each step's wait and, on CUDA, its GPU span."""
+    """Wraps the engine's step and its parts (on the instance) to record, per decode step (every request already
+    has its first token), its wall time and wait and, on CUDA, the event pairs of the steps launched during it."""
 
     def __init__(self, engine):
         self.cuda = engine.on_cuda
-        self.waits, self.spans, self._start = [], [], None
-        tokens_to_host, launch, run_graph = engine._tokens_to_host, engine._launch, engine.runner._run_graph
+        self.rows, self.spans = [], []  # decode steps: (wall seconds, wait seconds); (start, end) events
+        self._waits, self._spans, self._start = [], [], None
+        step, tokens_to_host, launch, run_graph = (engine.step, engine._tokens_to_host, engine._launch,
+                                                   engine.runner._run_graph)
+
+        def timed_step():
+            decode = all(r.seqs[0].num_output_tokens > 0 for r in engine.requests.values())
+            self._waits.clear()
+            self._spans.clear()
+            t = time.perf_counter()
+            outputs = step()
+            if decode:
+                self.rows.append((time.perf_counter() - t, sum(self._waits)))
+                self.spans += self._spans
+            return outputs
 
         def timed_tokens_to_host(launched):
             t = time.perf_counter()
             tokens = tokens_to_host(launched)
-            self.waits.append(time.perf_counter() - t)
+            self._waits.append(time.perf_counter() - t)
             return tokens
 
         def timed_run_graph(*args):  # the step's inputs are built; its first upload comes next
@@ -64,14 +79,14 @@ class StepTimer:
             return run_graph(*args)
 
         def timed_launch(*args, **kwargs):
-            step = launch(*args, **kwargs)  # the tokens' copy to the host is queued by now
-            if self.cuda and step.tokens is not None:
+            launched = launch(*args, **kwargs)  # the tokens' copy to the host is queued by now
+            if self.cuda and launched.tokens is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                self.spans.append((self._start, end))
-            return step
+                self._spans.append((self._start, end))
+            return launched
 
-        engine._tokens_to_host, engine._launch = timed_tokens_to_host, timed_launch
+        engine.step, engine._tokens_to_host, engine._launch = timed_step, timed_tokens_to_host, timed_launch
         engine.runner._run_graph = timed_run_graph
 
     def gpu_us(self, spans):
@@ -81,24 +96,13 @@ class StepTimer:
 
 
 def decode_steps(engine, timer, batch, prompt_len, new_tokens, seed):
-    """Run `batch` requests to the end. Per decode step after the first two and before the last two (the
-    pipeline's fill and drain): (step seconds, wait seconds); and the GPU spans (µs) of the steps launched during
-    them (CUDA), read once the run is over so that no event makes the host wait mid-run."""
-    from eightbit import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for i, prompt in enumerate(random_prompts(batch, prompt_len, engine.hf_config.vocab_size, seed)):
-        engine.add_request(f"host-{seed}-{batch}-{i}", prompt, params)
-    rows, spans = [], []
-    while engine.has_unfinished_requests():
-        decode = all(r.seqs[0].num_output_tokens > 0 for r in engine.requests.values())
-        del timer.waits[:], timer.spans[:]
-        t = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - t
-        if decode:
-            rows.append((wall, sum(timer.waits)))
-            spans += timer.spans
+    """Run `batch` requests to the end (`bench_engine.run_requests`). Per decode step after the first two and before
+    the last two (the pipeline's fill and drain): (step seconds, wait seconds); and the GPU spans (µs) of the steps
+    launched during them (CUDA), read once the run is over so that no event makes the host wait mid-run."""
+    timer.rows.clear()
+    timer.spans.clear()
+    run_requests(engine, random_prompts(batch, prompt_len, engine.hf_config.vocab_size, seed), [new_tokens] * batch)
+    rows, spans = list(timer.rows), timer.spans
     gpu = timer.gpu_us(spans[2:-2] or spans) if timer.cuda else []
     return rows[2:-2] or rows, gpu
 
