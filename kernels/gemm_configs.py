@@ -18,7 +18,9 @@ A config names its kernel: "dot" (the tiled tensor-core kernel, any M), "gemv" (
 weight-streaming kernel for M <= 8: block_m is then the activation rows per program, 1-8) or "ws"
 (the warp-specialized Gluon kernel for large M on sm_90, int8_gemm_hopper.py: block_m 128 = two
 64-row consumer warp groups, num_warps 4 = one warp group, split_k 1, block_n a power of two or the sum
-of two, e.g. 192; falls back to "dot" elsewhere).
+of two, e.g. 192; falls back to "dot" elsewhere) or "swap" (the Gluon kernel for small M on sm_90,
+int8_gemm_swap.py: block_m = the activation rows of its tile, 8-64, at least M; block_n 64 or 128 weight rows,
+block_k <= 256, num_warps 4; falls back to "dot" elsewhere).
 """
 
 import json

@@ -42,6 +42,12 @@ in flight; 1.08-1.36x faster than the Triton kernels at M >= 512 (docs/benchmark
 and the TMA alignment (ws_ok); elsewhere, and under the CPU interpreter, the "dot" kernel runs instead.
 (It replaced a persistent TMA-fed Triton kernel, "tma", which no tuned entry chose any more.)
 
+Small M on an H100/H200 has a fourth kernel, also in Gluon, in int8_gemm_swap.py (config.kernel == "swap"): the
+weights as the wgmma's A operand and the activations (up to 64 rows) as its B operand, both by TMA, one
+wgmma per K step. On an H200 it reads the 8B down weights at M = 4-16 at 86-90 % of the copy bandwidth against the
+dot kernel's 71-81 % (docs/benchmarks/gemm.md, fortieth session). Off sm_90 and under the interpreter the "dot"
+kernel runs its entries instead.
+
 On sm_90 the two Triton kernels are launched with programmatic dependent launch (kernels/pdl.py) at
 M <= 128, and any kernel where its table entry says so (GemmConfig.pdl): their programs may be scheduled as soon
 as the kernel before them allows it (the norm, SiLU and quantization kernels do as they start) and wait in
@@ -428,6 +434,27 @@ def _launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
     return launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, sm_count(x_q.device), pdl)
 
 
+def _swap_ok(x_q, w_q, out, cfg):
+    if x_q.device.type != "cuda" or interpreting():
+        return False
+    from eightbit.kernels.int8_gemm_swap import swap_ok  # Gluon: imported only where it can run
+
+    return swap_ok(x_q, w_q, out, cfg)
+
+
+def _launch_swap(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
+    from eightbit.kernels.int8_gemm_swap import launch_swap, splits
+
+    if splits(k, cfg.block_k, cfg.split_k) > 1:
+        sums = _gemv_acc_buffer(x_q.device, m * n)
+        counters = _lock_buffer(x_q.device, triton.cdiv(n, cfg.block_n))
+    else:
+        sums = counters = x_scale  # unused
+    pdl_args = _pdl(x_q.device, m, cfg)[0]
+    return launch_swap(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, sums, counters, pdl=pdl_args["PDL"],
+                       trigger=pdl_args["LATE_TRIGGER"])
+
+
 def gemv_ok(x_q, w_q):
     """The gemv kernel reads both operands as int32 words: K, the row strides and the offsets must allow it."""
     k = x_q.shape[1]
@@ -475,7 +502,8 @@ _CHAIN_LAUNCH = (dict(PDL=True, LATE_TRIGGER=True), {"launch_pdl": True})
 
 
 def pdl_by_rule(m, cfg):
-    """PDL for a config without a table mark: the Triton kernels up to PDL_MAX_M rows."""
+    """PDL for a config without a table mark: the Triton kernels and the small-M Gluon kernel ("swap", launched
+    as the Triton kernels are) up to PDL_MAX_M rows."""
     return m <= PDL_MAX_M and cfg.kernel != "ws"
 
 
@@ -567,9 +595,10 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:
         raise ValueError(f"out must be a {out_dtype} [{m}, {n}] tensor on {x_q.device}")
-    if cfg.kernel not in ("dot", "gemv", "ws"):
-        raise ValueError(f"unknown int8_gemm kernel {cfg.kernel!r} (dot, gemv or ws)")
-    if (cfg.kernel == "gemv" and not gemv_ok(x_q, w_q)) or (cfg.kernel == "ws" and not _ws_ok(x_q, w_q, out)):
+    if cfg.kernel not in ("dot", "gemv", "ws", "swap"):
+        raise ValueError(f"unknown int8_gemm kernel {cfg.kernel!r} (dot, gemv, ws or swap)")
+    if ((cfg.kernel == "gemv" and not gemv_ok(x_q, w_q)) or (cfg.kernel == "ws" and not _ws_ok(x_q, w_q, out))
+            or (cfg.kernel == "swap" and not _swap_ok(x_q, w_q, out, cfg))):
         cfg = dot_config(m, n, k)
     if m == 0 or n == 0:
         return out
@@ -580,6 +609,8 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         return _launch_gemv(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
     if cfg.kernel == "ws":
         return _launch_ws(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
+    if cfg.kernel == "swap":
+        return _launch_swap(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split_k = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     if split_k > 1:

@@ -23,7 +23,10 @@ def _gemm_jobs():
     jobs = {(gc.GemmConfig(1, 16, 1024, 1, 4, 4, 1, "gemv"), True), (gc.GemmConfig(8, 8, 512, 1, 2, 4, 1, "gemv"), False),
             (gc.GemmConfig(128, 256, 64, 8, 1, 4, 6, "ws"), True),
             (gc.GemmConfig(128, 128, 128, 8, 1, 4, 4, "ws"), True),
-            (gc.GemmConfig(128, 192, 64, 8, 1, 4, 6, "ws"), True)}
+            (gc.GemmConfig(128, 192, 64, 8, 1, 4, 6, "ws"), True),
+            # the small-M Gluon kernel: every activation-tile height, both weight-tile heights, one and several splits
+            (gc.GemmConfig(8, 64, 256, 1, 4, 4, 6, "swap"), True), (gc.GemmConfig(16, 128, 128, 1, 1, 4, 4, "swap"), True),
+            (gc.GemmConfig(32, 64, 128, 1, 2, 4, 8, "swap"), True), (gc.GemmConfig(64, 128, 64, 1, 3, 4, 3, "swap"), True)}
     shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
     for (mb, n, k), cfg in gc.table_entries().items():
         jobs.add((cfg, k % cfg.block_k == 0))
@@ -66,17 +69,21 @@ def _descriptor_register(ptx, nth):
     return re.search(rf"cvta\.param\.u64\s+(%rd\d+), {staged};", ptx).group(1)
 
 
-def _assert_weights_before_wait(ptx, fn):
-    """The Gluon GEMM's producer (the last partition in the PTX) copies weight tiles (b_desc) before its PDL wait,
-    and activation tiles (a_desc, the previous kernel's output) only after it. A text-order check: a layout that
-    put the producer elsewhere would fail it, not pass it."""
+def _assert_weights_before_wait(ptx, fn, activations=0, weights=1):
+    """A Gluon GEMM's producer (the last partition in the PTX) copies weight tiles before its PDL wait, and
+    activation tiles (the previous kernel's output) only after it; activations / weights: the positions of their
+    descriptors among the kernel's arguments (the "ws" kernel: a_desc, b_desc; the "swap" kernel: w_desc,
+    x_desc). A text-order check against the producer's first wait (the first after a TMA copy: only the producer
+    copies; LLVM may duplicate the wait into later blocks): a layout that put the producer elsewhere would fail it,
+    not pass it."""
     import re
 
-    producer_wait = ptx.rindex("griddepcontrol.wait")
     copies = [(m.start(), m.group(1)) for m in
               re.finditer(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S* \[%r\d+\], \[(%rd\d+),", ptx)]
-    assert fn.arg_names[:2] == ["a_desc", "b_desc"], "the kernel's first two arguments are its A and B descriptors"
-    a_reg, b_reg = _descriptor_register(ptx, 0), _descriptor_register(ptx, 1)
+    assert copies, "no TMA copies found"
+    producer_wait = ptx.index("griddepcontrol.wait", copies[0][0])
+    assert all(fn.arg_names[i].endswith("_desc") for i in (activations, weights)), "descriptor positions"
+    a_reg, b_reg = _descriptor_register(ptx, activations), _descriptor_register(ptx, weights)
     assert any(reg == b_reg and pos < producer_wait for pos, reg in copies), "no weight copy before the wait"
     assert all(pos > producer_wait for pos, reg in copies if reg == a_reg), "an activation copy before the wait"
     assert any(reg == a_reg for _, reg in copies), "the activation copies were not found"
@@ -111,6 +118,8 @@ def _compile_gemm(job):
         return cfg.key(), even_k, k.metadata.shared, None
     if cfg.kernel == "ws":
         return _compile_ws(cfg)
+    if cfg.kernel == "swap":
+        return _compile_swap(cfg)
     from eightbit.kernels.int8_gemm import TRIGGER_AHEAD_STEPS
 
     k = _compile_dot(cfg, even_k, TRIGGER_AHEAD_STEPS)
@@ -214,6 +223,46 @@ def _compile_ws(cfg):
             assert f"m64n{bn1}k32" in ptx, "the second accumulator's wgmma expected"
         shared = max(shared, k.metadata.shared)
     return cfg.key(), True, shared, None
+
+
+def _compile_swap(cfg):
+    """The small-M Gluon kernel as int8_gemm launches it in the PDL chain (64 registers a thread)."""
+    import re
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from eightbit.kernels import int8_gemm_swap as S
+
+    def desc(block):
+        t = torch.zeros(256, 512, dtype=torch.int8)
+        return mangle_type(TensorDescriptor.from_tensor(t, block, S._shared_layout(tuple(block))))
+
+    fn = S._int8_gemm_swap_kernel
+    sig = {"w_desc": desc([cfg.block_n, cfg.block_k]), "x_desc": desc([cfg.block_m, cfg.block_k]),
+           "xs_ptr": "*fp32", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": "*bf16", "acc_ptr": "*i32",
+           "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32"}
+    consts = {"HAS_BIAS": True, "SPLIT_K": cfg.split_k, "STAGES": cfg.num_stages,
+              "LAYOUT": S.accumulator_layout(cfg.block_m), "PDL": True, "TRIGGER": True}
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("xs_ptr", "ws_ptr", "bias_ptr", "c_ptr",
+                                                                          "acc_ptr", "lock_ptr", "N", "K")}
+    k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "enable_fp_fusion": False, "maxnreg": S.MAXNREG})
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_m}k32.s32.s8.s8" in ptx, "the swapped int8 wgmma expected"
+    assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, "TMA copies and warp specialization expected"
+    assert f".maxnreg {S.MAXNREG}" in ptx, "launched with few registers, so the next kernel can share the SM"
+    _assert_pdl(ptx, partitions=2)
+    _assert_weights_before_wait(ptx, fn, activations=1, weights=0)
+    assert "1" in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one wgmma must stay in flight"
+    assert ("atom.global" in ptx) == (cfg.split_k > 1), "split-K partials by integer atomics, only with splits"
+    return cfg.key(), True, k.metadata.shared, None
 
 
 def _compile_row(job):

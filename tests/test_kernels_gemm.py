@@ -175,6 +175,54 @@ def test_gemm_ws_config_falls_back_off_hopper_cpu(monkeypatch):
                               torch.ones(16, 1), config=GemmConfig(128, 128, 128, 8, 1, 8, 3, "tma"))
 
 
+SWAP_CONFIGS = [GemmConfig(8, 64, 256, 1, 1, 4, 6, "swap"), GemmConfig(16, 128, 128, 1, 3, 4, 4, "swap"),
+                GemmConfig(8, 64, 128, 1, 8, 4, 3, "swap"), GemmConfig(64, 128, 64, 1, 2, 4, 3, "swap")]
+
+
+@cpu
+def test_gemm_swap_config_falls_back_off_hopper_cpu(monkeypatch):
+    """The small-M Gluon kernel has no interpreter either: a "swap" config runs the Triton dot kernel on the CPU."""
+    from eightbit.kernels import int8_gemm as mod
+
+    monkeypatch.setattr(mod, "_launch_swap", lambda *a: pytest.fail("the Gluon kernel was launched on the CPU"))
+    _check_gemm_exact("cpu", SWAP_CONFIGS[1], 13, 80, 96, seed=8)
+    _check_gemm_ref("cpu", SWAP_CONFIGS[0], 5, 40, 64, seed=9, out_dtype=torch.float16, with_bias=True)
+
+
+@cpu
+def test_gemm_swap_host_launch_arguments_cpu(monkeypatch):
+    """The small-M Gluon kernel's host side (it runs only on sm_90): every kernel parameter named, one program per
+    BLOCK_N weight rows and K range, no empty K range, the activation box as tall as the config's rows, few
+    registers, PDL as asked; configs and operands it cannot take are refused."""
+    from eightbit.kernels import int8_gemm_swap as S
+
+    calls = []
+    monkeypatch.setattr(S, "_launch_kernel", lambda grid, args, **opts: calls.append((grid, args, opts)))
+    m, n, k = 5, 1040, 2080  # N off the 64-row tile, K off the 256-byte step: 9 steps
+    xq, wq = torch.zeros(m, k, dtype=torch.int8), torch.zeros(n, k, dtype=torch.int8)
+    xs, ws = torch.ones(m, 1), torch.ones(n, 1)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    sums, counters = torch.zeros(m * n, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    for split_k, want in ((1, 1), (2, 2), (4, 3), (8, 5), (100, 9)):  # 9 steps: 5 / 3 / 3 ... per range
+        cfg = GemmConfig(8, 64, 256, 1, split_k, 4, 4, "swap")
+        assert S.splits(k, 256, split_k) == want
+        S.launch_swap(xq, xs, wq, ws, None, out, m, n, k, cfg, sums, counters)
+        grid, args, opts = calls[-1]
+        assert sorted(args) == sorted(S._int8_gemm_swap_kernel.arg_names)
+        assert grid == (17, want) and args["SPLIT_K"] == want and opts["maxnreg"] == S.MAXNREG
+        assert list(args["w_desc"].block_shape) == [64, 256] and list(args["x_desc"].block_shape) == [8, 256]
+        assert args["PDL"] is False and "launch_pdl" not in opts
+    S.launch_swap(xq, xs, wq, ws, None, out, m, n, k, SWAP_CONFIGS[1], sums, counters, pdl=True, trigger=True)
+    grid, args, opts = calls[-1]
+    assert grid == (9, 3) and list(args["x_desc"].block_shape) == [16, 128]
+    assert args["PDL"] is True and args["TRIGGER"] is True and opts["launch_pdl"] is True
+    assert all(S.config_ok(c) for c in SWAP_CONFIGS)
+    for bad in (GemmConfig(12, 64, 256, 1, 1, 4, 4, "swap"), GemmConfig(8, 96, 256, 1, 1, 4, 4, "swap"),
+                GemmConfig(8, 64, 512, 1, 1, 4, 4, "swap"), GemmConfig(8, 64, 256, 1, 1, 8, 4, "swap")):
+        assert not S.config_ok(bad), bad
+    assert not S.swap_ok(xq, wq, out, SWAP_CONFIGS[0])  # not sm_90
+
+
 @cpu
 def test_gemm_ws_host_launch_arguments_cpu(monkeypatch):
     """The Gluon kernel's host side (it runs only on sm_90): every kernel parameter named, one program per SM
@@ -315,6 +363,9 @@ def _assert_entries_well_formed(table):
         assert mb in gemm_configs.M_BUCKETS and n > 0 and k > 0
         if cfg.kernel == "gemv":
             assert cfg.block_m in (1, 2, 4, 8) and cfg.block_k % 16 == 0 and cfg.block_n >= 8
+        elif cfg.kernel == "swap":
+            assert cfg.block_m in (8, 16, 32, 64) and mb <= cfg.block_m and cfg.block_n in (64, 128)
+            assert cfg.block_k in (64, 128, 256) and cfg.num_warps == 4
         else:
             assert cfg.kernel in ("dot", "ws") and cfg.block_k >= 32 and cfg.block_m >= 16 and cfg.block_n >= 16
             assert cfg.kernel == "dot" or cfg.split_k == 1
@@ -653,9 +704,53 @@ def test_gemm_gpu_ws_kernel(cfg, shape, pdl, monkeypatch):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("cfg", SWAP_CONFIGS, ids=lambda c: "x".join(map(str, c.key())))
+@pytest.mark.parametrize("shape", [(1, 2048, 2048), (5, 136, 2080), (8, 96, 512), (16, 4096, 4096), (64, 520, 640)],
+                         ids=str)
+@pytest.mark.parametrize("pdl", [None, True], ids=["plain", "pdl"])
+def test_gemm_gpu_swap_kernel(cfg, shape, pdl, monkeypatch):
+    """The small-M Gluon kernel (sm_90): M = 1 and M off the activation tile (rows past M zero-filled by TMA), N off
+    the weight tile (136, 520), K off BLOCK_K (2080, 640), fewer K steps than ring slots (512). Exact against the
+    int32 product (fp32 out); with scales and bias, bf16 and fp16 outputs equal the Triton dot kernel's bit for
+    bit (the same epilogue arithmetic). An M above the config's rows runs the dot kernel instead."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is compiled for sm_90 only")
+    import dataclasses
+
+    from eightbit.kernels import int8_gemm as mod
+    from eightbit.kernels import pdl as pdl_mod
+
+    if pdl and not pdl_mod.chain_enabled(torch.device("cuda")):
+        pytest.skip("a table mark's PDL launch applies in the PDL chain only (EIGHTBIT_PDL, EIGHTBIT_PDL_CHAIN)")
+    cfg = dataclasses.replace(cfg, pdl=pdl)
+    launched = []
+    real_launch = mod._launch_swap
+    monkeypatch.setattr(mod, "_launch_swap", lambda *a: launched.append(a[-1].key()) or real_launch(*a))
+    m, n, k = shape
+    runs = m <= cfg.block_m
+    _check_gemm_exact("cuda", cfg, m, n, min(k, 992), seed=3)
+    g = _gen(4)
+    xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
+    xq[0, :64] = -128
+    wq[-1, :64] = -128
+    xs = (torch.rand(m, 1, generator=g) * 0.02).cuda()
+    ws = (torch.rand(n, 1, generator=g) * 0.02).cuda()
+    dot = gemm_configs.dot_config(m, n, k)
+    for dtype in (torch.bfloat16, torch.float16):
+        for bias in (None, torch.randn(n, generator=g).cuda().to(dtype)):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+            int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, cfg, out=out)
+            assert torch.equal(out, int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, dot))
+    assert len(launched) == (5 if runs else 0), "the Gluon kernel runs exactly where M fits its rows"
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("cfg,m", [(GemmConfig(8, 8, 512, 1, 8, 4, 1, "gemv"), 8),
                                    (GemmConfig(16, 32, 256, 1, 8, 4, 4), 16),
-                                   (GemmConfig(16, 64, 128, 1, 8, 4, 6), 16)], ids=["gemv", "dot32", "dot64"])
+                                   (GemmConfig(16, 64, 128, 1, 8, 4, 6), 16),
+                                   (GemmConfig(16, 64, 256, 1, 8, 4, 4, "swap"), 16)],
+                         ids=["gemv", "dot32", "dot64", "swap"])
 def test_gemm_gpu_split_k_hand_off_under_load(cfg, m):
     """Eight K splits per tile on a real decode shape (Llama-3-8B down), launched back to back many times: the
     last split to arrive must always see every other split's int32 partial (a hand-off that loses one gives a
@@ -694,8 +789,8 @@ def test_gemm_gpu_relaunch_cache_across_m_alignment_and_bias():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, 1, 8, 4, 4), GemmConfig(2, 16, 256, 1, 8, 4, 1, "gemv")],
-                         ids=lambda c: c.kernel)
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, 1, 8, 4, 4), GemmConfig(2, 16, 256, 1, 8, 4, 1, "gemv"),
+                                 GemmConfig(16, 64, 256, 1, 6, 4, 4, "swap")], ids=lambda c: c.kernel)
 def test_gemm_gpu_split_k_deterministic(cfg):
     g = _gen(0)
     xq, wq = _int8((16, 14336), g, "cuda"), _int8((4096, 14336), g, "cuda")
