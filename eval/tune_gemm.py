@@ -108,6 +108,21 @@ def ws_mid_candidates():
     return [C(128, 96, 128, 8, 1, 4, 6, "ws"), C(128, 96, 64, 8, 1, 4, 12, "ws"), C(128, 160, 128, 8, 1, 4, 5, "ws")]
 
 
+# The small-M Gluon kernel (int8_gemm_swap.py), (block_n, block_k, num_stages, split_k): the configs that came
+# first or second on some 8B or 1B shape at M = 1-16 in a sweep of 445 (H200, gemm.md, fortieth session)
+SWAP_TILES = ((64, 256, 3, 1), (64, 256, 6, 1), (128, 256, 6, 1), (64, 256, 8, 2), (64, 256, 6, 2), (64, 256, 3, 4),
+              (64, 256, 4, 4), (64, 256, 6, 4), (64, 256, 2, 4), (64, 256, 4, 6), (64, 256, 6, 6), (64, 256, 6, 8),
+              (128, 256, 4, 8), (128, 256, 3, 6), (64, 128, 8, 6), (128, 128, 8, 1))
+
+
+def swap_candidates(m):
+    """"swap" configs for an M bucket: the activation tile the smallest of 8-64 rows that holds it."""
+    from eightbit.kernels.gemm_configs import GemmConfig as C
+
+    mp = max(8, 1 << (m - 1).bit_length())
+    return [C(mp, bn, bk, 1, sk, 4, st, "swap") for bn, bk, st, sk in SWAP_TILES] if mp <= 64 else []
+
+
 def candidates(m):
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
@@ -128,6 +143,7 @@ def candidates(m):
         # 8B qkv / o with M = 8 (16 x 32 x 512, 2 warps: 61-63 -> 73 % and 51 -> 59 % of the copy bandwidth) and by
         # 1-3 points at 8B qkv / down and 1B qkv with M = 16 (gemm.md, thirty-fifth session; unmeasured on an H100)
         out.append(C(bm, 32, 512, 1, 1, 2, 3))
+        out += swap_candidates(m)
         gb = m if m in GEMV_TILES else (8 if m <= 16 else None)
         if gb is not None:
             for bn, bk, w in GEMV_TILES[gb]:
@@ -218,6 +234,9 @@ def main(argv=None):
     ap.add_argument("--log", help="write every candidate's time here (JSON)")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="keep a committed entry unless the best candidate beats it by this fraction in the same run")
+    ap.add_argument("--kernels", default="",
+                    help="comma-separated kernels whose candidates to time (dot, gemv, ws, swap; default: all); the "
+                         "committed entry and the default are timed as well, whatever their kernel")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--pdl", action="store_true", help="measure each entry's launch with and without PDL instead")
     mode.add_argument("--behind-quant", action="store_true",
@@ -281,8 +300,10 @@ def main(argv=None):
     def prev_of(mb, n, k):
         return previous_entry(prev_table, mb, n, k) or gc.dot_config(mb, n, k)
 
+    kernels = {kind for kind in args.kernels.split(",") if kind}
+
     def cands_for(mb, n, k):
-        out = list(candidates(mb))
+        out = [c for c in candidates(mb) if not kernels or c.kernel in kernels]
         for extra in (gc.default_config(mb, n, k), prev_of(mb, n, k)):
             if extra is not None and extra not in out:
                 out.append(extra)
