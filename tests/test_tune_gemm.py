@@ -200,3 +200,14 @@ def test_in_layer_timing_puts_the_candidate_in_its_gemms_place_in_its_models_lay
     assert time_in_layer(cfg) == 42.0 and timed == [{"down": cfg}]
     with pytest.raises(ValueError, match="N=100, K=64"):
         tune_gemm.in_layer_timer(100, 64, 4)
+
+
+def test_swap_candidates_hold_their_bucket_and_are_configs_the_kernel_has():
+    """The swapped small-M kernel is a candidate up to bucket 64, its activation tile the smallest of 8-64 rows
+    that holds the bucket (a config whose rows M exceeds would run the dot kernel instead)."""
+    from eightbit.kernels.int8_gemm_swap import config_ok
+
+    for m, rows in ((1, 8), (2, 8), (4, 8), (8, 8), (16, 16), (32, 32), (64, 64)):
+        swaps = [c for c in tune_gemm.candidates(m) if c.kernel == "swap"]
+        assert swaps and all(c.block_m == rows and config_ok(c) for c in swaps), m
+    assert not [c for c in tune_gemm.candidates(128) if c.kernel == "swap"]
