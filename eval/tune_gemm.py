@@ -58,6 +58,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+KERNELS = {"dot", "gemv", "ws", "swap"}  # GemmConfig.kernel
 MAX_IN_LAYER_M = 256  # --in-layer: engine.config.EngineConfig.max_num_seqs's default, the largest decode batch
 
 TARGETS = [  # (N, K), the 8B shapes first
@@ -119,8 +120,11 @@ def swap_candidates(m):
     """"swap" configs for an M bucket: the activation tile the smallest of 8-64 rows that holds it."""
     from eightbit.kernels.gemm_configs import GemmConfig as C
 
+    from eightbit.kernels.int8_gemm_swap import config_ok
+
     mp = max(8, 1 << (m - 1).bit_length())
-    return [C(mp, bn, bk, 1, sk, 4, st, "swap") for bn, bk, st, sk in SWAP_TILES] if mp <= 64 else []
+    cands = [C(mp, bn, bk, 1, sk, 4, st, "swap") for bn, bk, st, sk in SWAP_TILES] if mp <= 64 else []
+    return [c for c in cands if config_ok(c)]  # at 32-64 rows some rings outgrow the shared memory
 
 
 def candidates(m):
@@ -211,6 +215,7 @@ def _warm(jobs, chain):
     launch it; returns the failures."""
     from eightbit.kernels import pdl
     from eightbit.kernels.int8_gemm import int8_gemm_with_config
+    from eightbit.kernels.launch import is_sm90
 
     pdl.CHAIN = chain
     failed = []
@@ -257,6 +262,9 @@ def main(argv=None):
             ap.error("--device-overrides needs --buckets: the buckets whose entries were checked in the engine")
         buckets = {int(b) for b in args.buckets.split(",") if b}
         return write_device_entries(args.device_overrides, gc.TABLE_PATH, gc.BY_DEVICE_PATH, buckets)
+    unknown = {kind for kind in args.kernels.split(",") if kind} - KERNELS
+    if unknown:
+        ap.error(f"--kernels: unknown {', '.join(sorted(unknown))} (kernels: {', '.join(sorted(KERNELS))})")
     if args.behind_quant and not args.buckets:
         ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")
     if args.in_layer and not args.buckets:
@@ -301,6 +309,8 @@ def main(argv=None):
         return previous_entry(prev_table, mb, n, k) or gc.dot_config(mb, n, k)
 
     kernels = {kind for kind in args.kernels.split(",") if kind}
+    if not is_sm90(torch.device("cuda")):  # the Gluon kernels' entries would time the dot kernel they fall back to
+        kernels = (kernels or KERNELS) - {"ws", "swap"}
 
     def cands_for(mb, n, k):
         out = [c for c in candidates(mb) if not kernels or c.kernel in kernels]

@@ -410,7 +410,7 @@ _gemv_acc = {}
 
 
 def _gemv_acc_buffer(device, n):
-    """Per-device int32 split-K sums of the gemv kernel (each launch re-zeroes its rows)."""
+    """Per-device int32 split-K sums of the gemv and "swap" kernels (each launch re-zeroes its rows)."""
     return zeroed_scratch(_gemv_acc, device, n, 1 << 18, "int8_gemm: the split-K sum buffer")
 
 
@@ -510,8 +510,9 @@ def pdl_by_rule(m, cfg):
 def _pdl(device, m, cfg):
     """(constexprs, launch options): launched with PDL on sm_90 where the config says so (a table entry's mark,
     measured with the chain), else up to PDL_MAX_M rows for the Triton kernels; in the chain (kernels/pdl.py)
-    allowing the next kernel to start near the end of the K loop. The Gluon kernel only ever gets PDL in the chain,
-    so its one PDL flag (wait and trigger) follows PDL here."""
+    allowing the next kernel to start near the end of the K loop. The large-M Gluon kernel ("ws") only ever gets PDL
+    in the chain, so its one PDL flag (wait and trigger) follows PDL here; the small-M one ("swap") gets it as the
+    Triton kernels do, its trigger following LATE_TRIGGER."""
     if not pdl_enabled(device):
         return _PLAIN_LAUNCH
     chain = chain_enabled(device)

@@ -9,9 +9,10 @@ most of each K step on its own instructions (address arithmetic, the shared-memo
 shuffles for mma.sync): on an H200 it reads 8B down at M = 4-16 at 71-81 % of the copy bandwidth where a plain
 read of the same bytes reaches 88-93 % (docs/benchmarks/gemm.md, thirty-fifth session). Here the weights are
 the wgmma's A operand and the activations its B operand, out^T [N, M] = W [N, K] . x^T [K, M]: one
-`wgmma m64nMPk32` covers 64 weight rows against all MP (8-64) activation rows, and the whole K step is one wait,
-one asynchronous wgmma and one barrier arrive. Both tiles come by TMA (x rows past M zero-filled by the copy
-engine), so no thread touches the bytes on their way to the tensor cores:
+`wgmma m64nMPk32` covers 64 weight rows and 32 bytes of K against all MP (8-64) activation rows, and a K step
+is one barrier wait, its BLOCK_N / 64 x BLOCK_K / 32 wgmma instructions issued asynchronously, one wgmma wait
+and one barrier arrive. Both tiles come by TMA (x rows past M zero-filled by the copy engine), so no thread
+touches the bytes on their way to the tensor cores:
 
 * a producer warp fills a ring of STAGES shared-memory slots (a [BLOCK_N, BLOCK_K] weight tile and a
   [MP, BLOCK_K] activation tile each) over this program's K range, waiting on each slot's `empty` barrier;
@@ -22,12 +23,14 @@ engine), so no thread touches the bytes on their way to the tensor cores:
   to arrive takes the sum (swapping zeros back in, so the buffer is clean for the next launch), resets the
   counter and runs the epilogue (the scheme of the gemv kernel's split-K, int8_gemm.py).
 
-Launched with 64 registers a thread (MAXNREG): the accumulator is 8-16 registers, and with Gluon's default (the
-whole register file for one program's eight warps: 4 + 1 padded to a warp group's multiple) no second program, nor
-the next kernel of the PDL chain, could share an SM. With PDL (kernels/pdl.py) the producer copies its first ring
-slots' weight tiles before its `griddepcontrol.wait` (no kernel of the chain writes weights), the activation tiles
-after it, and lets the kernel after us be scheduled once its last copy is issued; the consumer waits before
-loading the row scales and touching the split-K buffers.
+Launched with few registers (maxnreg: 64 a thread where the accumulator, BLOCK_N * MP / 128 registers, is at most
+16, else 96, the least that ptxas needs without spilling a 128 x 64 tile): with Gluon's default a program took the
+whole register file for its eight warps (4 + 1, padded to a warp group's multiple), so no second program, nor the
+next kernel of the PDL chain, could share an SM (8B qkv at M = 8: 60 -> 72 % of the copy bandwidth, gemm.md,
+fortieth session). With PDL (kernels/pdl.py) the producer copies its first ring slots' weight tiles before its
+`griddepcontrol.wait` (no kernel of the chain writes weights) and the activation tiles after it; the consumer
+waits before loading any scale and before touching the split-K buffers. In the chain (TRIGGER) the producer also
+lets the kernel after us be scheduled once its last copy is issued.
 
 There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the "dot" kernel
 instead (swap_ok). A CPU test compiles this kernel for sm_90; the GPU tests compare it with the exact int32 product.
@@ -43,11 +46,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from eightbit.kernels.launch import FastLauncher, is_sm90
 
-MAXNREG = 64
 PRODUCER_REGS = gl.constexpr(40)
 BLOCK_MS = (8, 16, 32, 64)  # activation rows per tile: the wgmma's N
 BLOCK_NS = (64, 128)  # weight rows per tile: one or two 64-row wgmmas
 MAX_BLOCK_K = 256  # a TMA box is at most 256 elements along each dimension
+MAX_SHARED = 232448  # bytes of shared memory a program may use on sm_90
+
+
+def maxnreg(cfg):
+    """Registers a thread: 64 where the accumulator takes at most 16 of them, else 96 (no spills either way, ptxas)."""
+    return 64 if cfg.block_m * cfg.block_n <= 2048 else 96
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +99,7 @@ def _epilogue(acc, offs_n, offs_m, M, N, xs, ws, bias_ptr, c_ptr, stride_cm, HAS
         b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
         out = out + gl.expand_dims(b, 1)
     mask = gl.expand_dims(offs_n < N, 1) & gl.expand_dims(offs_m < M, 0)
-    ptrs = c_ptr + gl.expand_dims(offs_m * stride_cm, 0) + gl.expand_dims(offs_n, 1)
+    ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 0) + gl.expand_dims(offs_n, 1)
     gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -170,10 +178,17 @@ def _descriptor(t, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(tuple(block)))
 
 
+def shared_bytes(cfg):
+    """The ring's shared memory (the compiled kernel's, to within its barriers' few bytes)."""
+    return cfg.num_stages * (cfg.block_n + cfg.block_m) * cfg.block_k
+
+
 def config_ok(cfg):
-    """Whether a "swap" config is one this kernel has: MP, BLOCK_N and BLOCK_K the tile sizes it supports."""
+    """Whether a "swap" config is one this kernel has: MP, BLOCK_N and BLOCK_K tile sizes it supports and a ring that
+    fits in shared memory."""
     return (cfg.block_m in BLOCK_MS and cfg.block_n in BLOCK_NS and cfg.block_k in (64, 128, MAX_BLOCK_K)
-            and cfg.num_warps == 4 and cfg.num_stages >= 2 and cfg.split_k >= 1)
+            and cfg.num_warps == 4 and cfg.num_stages >= 2 and cfg.split_k >= 1
+            and shared_bytes(cfg) + 1024 <= MAX_SHARED)
 
 
 def swap_ok(x_q, w_q, out, cfg):
@@ -204,6 +219,6 @@ def launch_swap(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, sums, count
         acc_ptr=sums, lock_ptr=counters, M=m, N=n, K=k, stride_cm=out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split_k, STAGES=cfg.num_stages, LAYOUT=accumulator_layout(cfg.block_m),
         PDL=pdl, TRIGGER=trigger,
-    ), num_warps=4, maxnreg=MAXNREG, enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
+    ), num_warps=4, maxnreg=maxnreg(cfg), enable_fp_fusion=False, **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -26,7 +26,8 @@ def _gemm_jobs():
             (gc.GemmConfig(128, 192, 64, 8, 1, 4, 6, "ws"), True),
             # the small-M Gluon kernel: every activation-tile height, both weight-tile heights, one and several splits
             (gc.GemmConfig(8, 64, 256, 1, 4, 4, 6, "swap"), True), (gc.GemmConfig(16, 128, 128, 1, 1, 4, 4, "swap"), True),
-            (gc.GemmConfig(32, 64, 128, 1, 2, 4, 8, "swap"), True), (gc.GemmConfig(64, 128, 64, 1, 3, 4, 3, "swap"), True)}
+            (gc.GemmConfig(32, 64, 128, 1, 2, 4, 8, "swap"), True), (gc.GemmConfig(64, 128, 64, 1, 3, 4, 3, "swap"), True),
+            (gc.GemmConfig(32, 128, 256, 1, 2, 4, 4, "swap"), False)}
     shapes = {(n, k) for (_, n, k) in gc.table_entries()} | {(4096, 4096), (576, 576), (2048, 8192)}
     for (mb, n, k), cfg in gc.table_entries().items():
         jobs.add((cfg, k % cfg.block_k == 0))
@@ -225,6 +226,22 @@ def _compile_ws(cfg):
     return cfg.key(), True, shared, None
 
 
+def _spill_bytes(ptx):
+    """Spill stores ptxas reports for this PTX on sm_90 (the ptxas shipped with Triton)."""
+    import re
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stdout + out.stderr))
+
+
 def _compile_swap(cfg):
     """The small-M Gluon kernel as int8_gemm launches it in the PDL chain (64 registers a thread)."""
     import re
@@ -251,13 +268,15 @@ def _compile_swap(cfg):
     sig.update({name: "constexpr" for name in consts})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("xs_ptr", "ws_ptr", "bias_ptr", "c_ptr",
                                                                           "acc_ptr", "lock_ptr", "N", "K")}
+    regs = S.maxnreg(cfg)
     k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "enable_fp_fusion": False, "maxnreg": S.MAXNREG})
+                       options={"num_warps": 4, "enable_fp_fusion": False, "maxnreg": regs})
     ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_m}k32.s32.s8.s8" in ptx, "the swapped int8 wgmma expected"
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx, "TMA copies and warp specialization expected"
-    assert f".maxnreg {S.MAXNREG}" in ptx, "launched with few registers, so the next kernel can share the SM"
+    assert f".maxnreg {regs}" in ptx, "launched with few registers, so the next kernel can share the SM"
+    assert _spill_bytes(ptx) == 0, f"{cfg}: {regs} registers a thread spill"
     _assert_pdl(ptx, partitions=2)
     _assert_weights_before_wait(ptx, fn, activations=1, weights=0)
     assert "1" in re.findall(r"warp_group_dot_wait.*pendings = (\d+)", ttgir), "one wgmma must stay in flight"

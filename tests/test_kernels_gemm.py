@@ -209,18 +209,53 @@ def test_gemm_swap_host_launch_arguments_cpu(monkeypatch):
         S.launch_swap(xq, xs, wq, ws, None, out, m, n, k, cfg, sums, counters)
         grid, args, opts = calls[-1]
         assert sorted(args) == sorted(S._int8_gemm_swap_kernel.arg_names)
-        assert grid == (17, want) and args["SPLIT_K"] == want and opts["maxnreg"] == S.MAXNREG
+        assert grid == (17, want) and args["SPLIT_K"] == want and opts["maxnreg"] == 64
         assert list(args["w_desc"].block_shape) == [64, 256] and list(args["x_desc"].block_shape) == [8, 256]
         assert args["PDL"] is False and "launch_pdl" not in opts
     S.launch_swap(xq, xs, wq, ws, None, out, m, n, k, SWAP_CONFIGS[1], sums, counters, pdl=True, trigger=True)
     grid, args, opts = calls[-1]
     assert grid == (9, 3) and list(args["x_desc"].block_shape) == [16, 128]
     assert args["PDL"] is True and args["TRIGGER"] is True and opts["launch_pdl"] is True
+    S.launch_swap(xq, xs, wq, ws, None, out, m, n, k, SWAP_CONFIGS[3], sums, counters)
+    assert calls[-1][2]["maxnreg"] == 96  # a 128 x 64 accumulator: 64 registers a thread would spill
     assert all(S.config_ok(c) for c in SWAP_CONFIGS)
     for bad in (GemmConfig(12, 64, 256, 1, 1, 4, 4, "swap"), GemmConfig(8, 96, 256, 1, 1, 4, 4, "swap"),
-                GemmConfig(8, 64, 512, 1, 1, 4, 4, "swap"), GemmConfig(8, 64, 256, 1, 1, 8, 4, "swap")):
+                GemmConfig(8, 64, 512, 1, 1, 4, 4, "swap"), GemmConfig(8, 64, 256, 1, 1, 8, 4, "swap"),
+                GemmConfig(64, 128, 256, 1, 1, 4, 6, "swap")):  # 6 slots of 48 KB: more than the shared memory
         assert not S.config_ok(bad), bad
-    assert not S.swap_ok(xq, wq, out, SWAP_CONFIGS[0])  # not sm_90
+    # the operands it refuses (int8_gemm then runs the dot kernel); on this CPU only because it is not sm_90 ...
+    cfg = SWAP_CONFIGS[0]
+    assert not S.swap_ok(xq, wq, out, cfg)
+    monkeypatch.setattr(S, "is_sm90", lambda device: True)  # ... and with that aside, for each reason below
+    base = torch.zeros(16 * 2112 + 16, dtype=torch.int8)
+    aligned = base[(-base.data_ptr()) % 16:]  # a 16-byte aligned start
+    x_ok = aligned[: m * k].view(m, k)
+    assert S.swap_ok(x_ok, wq, out, cfg) == (wq.data_ptr() % 16 == 0)
+    w_ok = torch.zeros(n * k + 16, dtype=torch.int8)
+    w_ok = w_ok[(-w_ok.data_ptr()) % 16:][: n * k].view(n, k)
+    assert S.swap_ok(x_ok, w_ok, out, cfg)
+    assert not S.swap_ok(aligned[: 9 * k].view(9, k), w_ok, torch.empty(9, n), cfg)  # M = 9 > 8 rows
+    assert not S.swap_ok(x_ok, w_ok, torch.empty(n, m).t(), cfg)  # output columns not contiguous
+    assert not S.swap_ok(aligned[1 : m * k + 1].view(m, k), w_ok, out, cfg)  # base not 16-byte aligned
+    assert not S.swap_ok(aligned[: m * 2088].view(m, 2088)[:, :2080], w_ok, out, cfg)  # row stride 2088 % 16 != 0
+    assert not S.swap_ok(x_ok, w_ok, out, GemmConfig(8, 96, 256, 1, 1, 4, 4, "swap"))
+
+
+@cpu
+def test_gemm_swap_splits_match_the_kernels_k_ranges_cpu():
+    """splits() (the grid's K ranges) against the kernel's own arithmetic, per_split = cdiv(steps, SPLIT_K) and range
+    s = [s * per_split, min((s + 1) * per_split, steps)): every range holds a step, together they hold each once."""
+    from eightbit.kernels.int8_gemm_swap import splits
+
+    for k in (1, 16, 255, 256, 257, 2048, 2080, 4096, 14336):
+        for block_k in (64, 128, 256):
+            steps = -(-k // block_k)
+            for split_k in range(1, 20):
+                got = splits(k, block_k, split_k)
+                per = -(-steps // got)
+                ranges = [range(s * per, min((s + 1) * per, steps)) for s in range(got)]
+                assert 1 <= got <= min(split_k, steps) and all(len(r) >= 1 for r in ranges), (k, block_k, split_k)
+                assert sorted(i for r in ranges for i in r) == list(range(steps))
 
 
 @cpu
@@ -707,7 +742,7 @@ def test_gemm_gpu_ws_kernel(cfg, shape, pdl, monkeypatch):
 @pytest.mark.parametrize("cfg", SWAP_CONFIGS, ids=lambda c: "x".join(map(str, c.key())))
 @pytest.mark.parametrize("shape", [(1, 2048, 2048), (5, 136, 2080), (8, 96, 512), (16, 4096, 4096), (64, 520, 640)],
                          ids=str)
-@pytest.mark.parametrize("pdl", [None, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_gemm_gpu_swap_kernel(cfg, shape, pdl, monkeypatch):
     """The small-M Gluon kernel (sm_90): M = 1 and M off the activation tile (rows past M zero-filled by TMA), N off
     the weight tile (136, 520), K off BLOCK_K (2080, 640), fewer K steps than ring slots (512). Exact against the
@@ -751,10 +786,11 @@ def test_gemm_gpu_swap_kernel(cfg, shape, pdl, monkeypatch):
                                    (GemmConfig(16, 64, 128, 1, 8, 4, 6), 16),
                                    (GemmConfig(16, 64, 256, 1, 8, 4, 4, "swap"), 16)],
                          ids=["gemv", "dot32", "dot64", "swap"])
-def test_gemm_gpu_split_k_hand_off_under_load(cfg, m):
+def test_gemm_gpu_split_k_hand_off_under_load(cfg, m, monkeypatch):
     """Eight K splits per tile on a real decode shape (Llama-3-8B down), launched back to back many times: the
     last split to arrive must always see every other split's int32 partial (a hand-off that loses one gives a
     wrong sum in some launches, not in all: two stream-K prototypes did, docs/benchmarks/gemm.md)."""
+    launched = _count_swap_launches(cfg, monkeypatch)
     g = _gen(12)
     n, k = 4096, 14336
     xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
@@ -763,6 +799,19 @@ def test_gemm_gpu_split_k_hand_off_under_load(cfg, m):
     outs = [int8_gemm_with_config(xq, one_m, wq, one_n, None, torch.float32, cfg) for _ in range(60)]
     wrong = sum(not torch.equal(o, exact) for o in outs)
     assert wrong == 0, f"{wrong} of 60 launches lost a split's partial sum"
+    assert len(launched) == (60 if cfg.kernel == "swap" else 0)
+
+
+def _count_swap_launches(cfg, monkeypatch):
+    """The launches of the small-M Gluon kernel, recorded: a "swap" config must run it, so off sm_90 its test skips."""
+    from eightbit.kernels import int8_gemm as mod
+
+    if cfg.kernel == "swap" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is compiled for sm_90 only")
+    launched = []
+    real_launch = mod._launch_swap
+    monkeypatch.setattr(mod, "_launch_swap", lambda *a: launched.append(a[-1].key()) or real_launch(*a))
+    return launched
 
 
 @gpu
@@ -791,7 +840,8 @@ def test_gemm_gpu_relaunch_cache_across_m_alignment_and_bias():
 @needs_cuda
 @pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, 1, 8, 4, 4), GemmConfig(2, 16, 256, 1, 8, 4, 1, "gemv"),
                                  GemmConfig(16, 64, 256, 1, 6, 4, 4, "swap")], ids=lambda c: c.kernel)
-def test_gemm_gpu_split_k_deterministic(cfg):
+def test_gemm_gpu_split_k_deterministic(cfg, monkeypatch):
+    launched = _count_swap_launches(cfg, monkeypatch)
     g = _gen(0)
     xq, wq = _int8((16, 14336), g, "cuda"), _int8((4096, 14336), g, "cuda")
     xs, ws = torch.rand(16, 1, device="cuda"), torch.rand(4096, 1, device="cuda")
@@ -799,6 +849,7 @@ def test_gemm_gpu_split_k_deterministic(cfg):
     for _ in range(30):
         assert torch.equal(int8_gemm_with_config(xq, xs, wq, ws, None, torch.float32, cfg), first)
     torch.testing.assert_close(first, R.int8_gemm(xq, xs, wq, ws, None, torch.float32), rtol=1e-6, atol=1e-3)
+    assert len(launched) == (31 if cfg.kernel == "swap" else 0)
 
 
 @gpu

@@ -72,6 +72,9 @@ def test_tune_gemm_rejects_conflicting_modes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tune_gemm.main(["--in-layer", "--buckets", "1,512", "--out", str(out)])
     assert "--in-layer times decode steps, of at most 256 sequences" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a misspelt kernel would time only the committed entries and the defaults
+        tune_gemm.main(["--kernels", "swap,wss", "--buckets", "4", "--out", str(out)])
+    assert "--kernels: unknown wss" in capsys.readouterr().err
     assert not out.exists()
 
 
