@@ -717,23 +717,9 @@ def test_gemm_gpu_ws_kernel(cfg, shape, pdl, monkeypatch):
             pytest.skip("a table mark's PDL launch applies in the PDL chain only (EIGHTBIT_PDL, EIGHTBIT_PDL_CHAIN)")
         monkeypatch.setattr(mod, "sm_count", lambda device: 3)
 
-    launched = []
-    real_launch = mod._launch_ws
-    monkeypatch.setattr(mod, "_launch_ws", lambda *a: launched.append(a[-1].key()) or real_launch(*a))
+    launched = _record_launches(monkeypatch, "_launch_ws")
     m, n, k = shape
-    _check_gemm_exact("cuda", cfg, m, n, min(k, 992), seed=3)
-    g = _gen(4)
-    xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
-    xq[0, :64] = -128
-    wq[-1, :64] = -128
-    xs = (torch.rand(m, 1, generator=g) * 0.02).cuda()
-    ws = (torch.rand(n, 1, generator=g) * 0.02).cuda()
-    dot = gemm_configs.dot_config(m, n, k)
-    for dtype in (torch.bfloat16, torch.float16):
-        for bias in (None, torch.randn(n, generator=g).cuda().to(dtype)):
-            out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-            int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, cfg, out=out)
-            assert torch.equal(out, int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, dot))
+    _check_equal_to_dot_kernel(cfg, m, n, k)
     assert len(launched) == 5, "every call above should have run the Gluon kernel"
 
 
@@ -752,30 +738,15 @@ def test_gemm_gpu_swap_kernel(cfg, shape, pdl, monkeypatch):
         pytest.skip("the Gluon kernel is compiled for sm_90 only")
     import dataclasses
 
-    from eightbit.kernels import int8_gemm as mod
     from eightbit.kernels import pdl as pdl_mod
 
     if pdl and not pdl_mod.chain_enabled(torch.device("cuda")):
         pytest.skip("a table mark's PDL launch applies in the PDL chain only (EIGHTBIT_PDL, EIGHTBIT_PDL_CHAIN)")
     cfg = dataclasses.replace(cfg, pdl=pdl)
-    launched = []
-    real_launch = mod._launch_swap
-    monkeypatch.setattr(mod, "_launch_swap", lambda *a: launched.append(a[-1].key()) or real_launch(*a))
+    launched = _record_launches(monkeypatch, "_launch_swap")
     m, n, k = shape
     runs = m <= cfg.block_m
-    _check_gemm_exact("cuda", cfg, m, n, min(k, 992), seed=3)
-    g = _gen(4)
-    xq, wq = _int8((m, k), g, "cuda"), _int8((n, k), g, "cuda")
-    xq[0, :64] = -128
-    wq[-1, :64] = -128
-    xs = (torch.rand(m, 1, generator=g) * 0.02).cuda()
-    ws = (torch.rand(n, 1, generator=g) * 0.02).cuda()
-    dot = gemm_configs.dot_config(m, n, k)
-    for dtype in (torch.bfloat16, torch.float16):
-        for bias in (None, torch.randn(n, generator=g).cuda().to(dtype)):
-            out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-            int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, cfg, out=out)
-            assert torch.equal(out, int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, dot))
+    _check_equal_to_dot_kernel(cfg, m, n, k)
     assert len(launched) == (5 if runs else 0), "the Gluon kernel runs exactly where M fits its rows"
 
 
@@ -804,14 +775,37 @@ def test_gemm_gpu_split_k_hand_off_under_load(cfg, m, monkeypatch):
 
 def _count_swap_launches(cfg, monkeypatch):
     """The launches of the small-M Gluon kernel, recorded: a "swap" config must run it, so off sm_90 its test skips."""
-    from eightbit.kernels import int8_gemm as mod
-
     if cfg.kernel == "swap" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is compiled for sm_90 only")
+    return _record_launches(monkeypatch, "_launch_swap")
+
+
+def _record_launches(monkeypatch, launcher):
+    """The configs int8_gemm launches through int8_gemm.<launcher> (a Gluon kernel's launch), recorded as it runs."""
+    from eightbit.kernels import int8_gemm as mod
+
     launched = []
-    real_launch = mod._launch_swap
-    monkeypatch.setattr(mod, "_launch_swap", lambda *a: launched.append(a[-1].key()) or real_launch(*a))
+    real_launch = getattr(mod, launcher)
+    monkeypatch.setattr(mod, launcher, lambda *a: launched.append(a[-1].key()) or real_launch(*a))
     return launched
+
+
+def _check_equal_to_dot_kernel(cfg, m, n, k, device="cuda"):
+    """cfg exact against the int32 product (fp32 out, scales of 1, K cut to 992 so the sums stay exact in fp32); with
+    scales and bias, its bf16 and fp16 outputs equal the Triton dot kernel's bit for bit (5 calls of cfg in all)."""
+    _check_gemm_exact(device, cfg, m, n, min(k, 992), seed=3)
+    g = _gen(4)
+    xq, wq = _int8((m, k), g, device), _int8((n, k), g, device)
+    xq[0, :64] = -128
+    wq[-1, :64] = -128
+    xs = (torch.rand(m, 1, generator=g) * 0.02).to(device)
+    ws = (torch.rand(n, 1, generator=g) * 0.02).to(device)
+    dot = gemm_configs.dot_config(m, n, k)
+    for dtype in (torch.bfloat16, torch.float16):
+        for bias in (None, torch.randn(n, generator=g).to(device, dtype)):
+            out = torch.full((m, n), float("nan"), device=device, dtype=dtype)
+            int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, cfg, out=out)
+            assert torch.equal(out, int8_gemm_with_config(xq, xs, wq, ws, bias, dtype, dot))
 
 
 @gpu
