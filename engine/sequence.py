@@ -130,4 +130,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+        return all(s.is_finished for s in self.seqs)

@@ -58,7 +58,6 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-KERNELS = {"dot", "gemv", "ws", "swap"}  # GemmConfig.kernel
 MAX_IN_LAYER_M = 256  # --in-layer: engine.config.EngineConfig.max_num_seqs's default, the largest decode batch
 
 TARGETS = [  # (N, K), the 8B shapes first
@@ -262,9 +261,11 @@ def main(argv=None):
             ap.error("--device-overrides needs --buckets: the buckets whose entries were checked in the engine")
         buckets = {int(b) for b in args.buckets.split(",") if b}
         return write_device_entries(args.device_overrides, gc.TABLE_PATH, gc.BY_DEVICE_PATH, buckets)
-    unknown = {kind for kind in args.kernels.split(",") if kind} - KERNELS
+    from eightbit.kernels.gemm_configs import KERNELS
+
+    unknown = {kind for kind in args.kernels.split(",") if kind} - set(KERNELS)
     if unknown:
-        ap.error(f"--kernels: unknown {', '.join(sorted(unknown))} (kernels: {', '.join(sorted(KERNELS))})")
+        ap.error(f"--kernels: unknown {', '.join(sorted(unknown))} (kernels: {', '.join(KERNELS)})")
     if args.behind_quant and not args.buckets:
         ap.error("--behind-quant needs --buckets (the committed table's buckets 128-256 were tuned that way)")
     if args.in_layer and not args.buckets:
@@ -310,7 +311,7 @@ def main(argv=None):
 
     kernels = {kind for kind in args.kernels.split(",") if kind}
     if not is_sm90(torch.device("cuda")):  # the Gluon kernels' entries would time the dot kernel they fall back to
-        kernels = (kernels or KERNELS) - {"ws", "swap"}
+        kernels = (kernels or set(gc.KERNELS)) - {"ws", "swap"}
 
     def cands_for(mb, n, k):
         out = [c for c in candidates(mb) if not kernels or c.kernel in kernels]

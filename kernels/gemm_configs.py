@@ -44,6 +44,9 @@ BY_DEVICE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_
 USE_DEVICE_ENTRIES = os.environ.get("EIGHTBIT_GEMM_BY_DEVICE", "1") != "0"
 
 
+KERNELS = ("dot", "gemv", "ws", "swap")  # GemmConfig.kernel (the module docstring says which is which)
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int

@@ -73,7 +73,8 @@ import torch
 import triton
 import triton.language as tl
 
-from eightbit.kernels.gemm_configs import GemmConfig, device_name_of, device_name_of_index, dot_config, get_config
+from eightbit.kernels.gemm_configs import (KERNELS, GemmConfig, device_name_of, device_name_of_index, dot_config,
+                                           get_config)
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
 from eightbit.kernels.pdl import allow_dependents, chain_enabled, pdl_enabled, prefetch_l2, wait_for_previous_kernel
 from eightbit.kernels.scratch import zeroed_scratch
@@ -443,9 +444,9 @@ def _swap_ok(x_q, w_q, out, cfg):
 
 
 def _launch_swap(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg):
-    from eightbit.kernels.int8_gemm_swap import launch_swap, splits
+    from eightbit.kernels.int8_gemm_swap import launch_swap
 
-    if splits(k, cfg.block_k, cfg.split_k) > 1:
+    if cfg.split_k > 1:  # (the launch may run fewer K ranges; the per-device buffers are there either way)
         sums = _gemv_acc_buffer(x_q.device, m * n)
         counters = _lock_buffer(x_q.device, triton.cdiv(n, cfg.block_n))
     else:
@@ -596,8 +597,8 @@ def int8_gemm_with_config(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch
         out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != x_q.device:
         raise ValueError(f"out must be a {out_dtype} [{m}, {n}] tensor on {x_q.device}")
-    if cfg.kernel not in ("dot", "gemv", "ws", "swap"):
-        raise ValueError(f"unknown int8_gemm kernel {cfg.kernel!r} (dot, gemv, ws or swap)")
+    if cfg.kernel not in KERNELS:
+        raise ValueError(f"unknown int8_gemm kernel {cfg.kernel!r} ({', '.join(KERNELS)})")
     if ((cfg.kernel == "gemv" and not gemv_ok(x_q, w_q)) or (cfg.kernel == "ws" and not _ws_ok(x_q, w_q, out))
             or (cfg.kernel == "swap" and not _swap_ok(x_q, w_q, out, cfg))):
         cfg = dot_config(m, n, k)

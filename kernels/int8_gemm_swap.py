@@ -36,14 +36,14 @@ There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) in
 instead (swap_ok). A CPU test compiles this kernel for sm_90; the GPU tests compare it with the exact int32 product.
 """
 
-import functools
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+# the large-M kernel's descriptors and accumulator layout: accumulator_layout(MP) is this kernel's [BLOCK_N, MP]
+# int32 accumulator (m64nMPk32: every MP of BLOCK_MS is an int8 wgmma width)
+from eightbit.kernels.int8_gemm_hopper import _descriptor, accumulator_layout
 from eightbit.kernels.launch import FastLauncher, is_sm90
 
 PRODUCER_REGS = gl.constexpr(40)
@@ -56,12 +56,6 @@ MAX_SHARED = 232448  # bytes of shared memory a program may use on sm_90
 def maxnreg(cfg):
     """Registers a thread: 64 where the accumulator takes at most 16 of them, else 96 (no spills either way, ptxas)."""
     return 64 if cfg.block_m * cfg.block_n <= 2048 else 96
-
-
-@functools.lru_cache(maxsize=None)
-def accumulator_layout(block_m):
-    """The [BLOCK_N, MP] int32 accumulator of one warp group: m64nMPk32 instructions."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 32])
 
 
 @gluon.jit
@@ -169,15 +163,6 @@ def _int8_gemm_swap_kernel(w_desc, x_desc, xs_ptr, ws_ptr, bias_ptr, c_ptr, acc_
 _launch_kernel = FastLauncher(_int8_gemm_swap_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.int8)
-
-
-def _descriptor(t, block):
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(tuple(block)))
-
-
 def shared_bytes(cfg):
     """The ring's shared memory (the compiled kernel's, to within its barriers' few bytes)."""
     return cfg.num_stages * (cfg.block_n + cfg.block_m) * cfg.block_k
@@ -214,7 +199,8 @@ def launch_swap(x_q, x_scale, w_q, w_scale, bias, out, m, n, k, cfg, sums, count
     split_k = splits(k, cfg.block_k, cfg.split_k)
     grid = (-(-n // cfg.block_n), split_k)
     _launch_kernel(grid, dict(
-        w_desc=_descriptor(w_q, (cfg.block_n, cfg.block_k)), x_desc=_descriptor(x_q, (cfg.block_m, cfg.block_k)),
+        w_desc=_descriptor(w_q, (cfg.block_n, cfg.block_k), gl.int8),
+        x_desc=_descriptor(x_q, (cfg.block_m, cfg.block_k), gl.int8),
         xs_ptr=x_scale, ws_ptr=w_scale, bias_ptr=bias if bias is not None else w_scale, c_ptr=out,
         acc_ptr=sums, lock_ptr=counters, M=m, N=n, K=k, stride_cm=out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split_k, STAGES=cfg.num_stages, LAYOUT=accumulator_layout(cfg.block_m),

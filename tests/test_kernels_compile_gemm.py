@@ -251,13 +251,15 @@ def _compile_swap(cfg):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon import language as gl
     from triton.runtime.jit import mangle_type
 
+    from eightbit.kernels import int8_gemm_hopper as H
     from eightbit.kernels import int8_gemm_swap as S
 
     def desc(block):
         t = torch.zeros(256, 512, dtype=torch.int8)
-        return mangle_type(TensorDescriptor.from_tensor(t, block, S._shared_layout(tuple(block))))
+        return mangle_type(TensorDescriptor.from_tensor(t, block, H._shared_layout(tuple(block), gl.int8)))
 
     fn = S._int8_gemm_swap_kernel
     sig = {"w_desc": desc([cfg.block_n, cfg.block_k]), "x_desc": desc([cfg.block_m, cfg.block_k]),
