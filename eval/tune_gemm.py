@@ -109,10 +109,13 @@ def ws_mid_candidates():
 
 
 # The small-M Gluon kernel (int8_gemm_swap.py), (block_n, block_k, num_stages, split_k): the configs that came
-# first or second on some 8B or 1B shape at M = 1-16 in a sweep of 445 (H200, gemm.md, fortieth session)
+# first or second on some 8B or 1B shape at M = 1-16 in a sweep of 445 (H200, gemm.md, fortieth session), and the
+# deep rings of one K range (8-12 slots: fewer programs, each with more weight tiles copied before its PDL wait) that
+# won inside decode layers and in the 8B engine (forty-first session); rings past the shared memory drop out
 SWAP_TILES = ((64, 256, 3, 1), (64, 256, 6, 1), (128, 256, 6, 1), (64, 256, 8, 2), (64, 256, 6, 2), (64, 256, 3, 4),
               (64, 256, 4, 4), (64, 256, 6, 4), (64, 256, 2, 4), (64, 256, 4, 6), (64, 256, 6, 6), (64, 256, 6, 8),
-              (128, 256, 4, 8), (128, 256, 3, 6), (64, 128, 8, 6), (128, 128, 8, 1))
+              (128, 256, 4, 8), (128, 256, 3, 6), (64, 128, 8, 6), (128, 128, 8, 1),
+              (64, 256, 8, 1), (64, 256, 10, 1), (64, 256, 11, 1), (64, 256, 12, 1))
 
 
 def swap_candidates(m):

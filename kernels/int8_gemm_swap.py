@@ -30,7 +30,11 @@ next kernel of the PDL chain, could share an SM (8B qkv at M = 8: 60 -> 72 % of 
 fortieth session). With PDL (kernels/pdl.py) the producer copies its first ring slots' weight tiles before its
 `griddepcontrol.wait` (no kernel of the chain writes weights) and the activation tiles after it; the consumer
 waits before loading any scale and before touching the split-K buffers. In the chain (TRIGGER) the producer also
-lets the kernel after us be scheduled once its last copy is issued.
+lets the kernel after us be scheduled once its last copy is issued. So inside a decode layer few programs with deep
+rings do best: one K range of 64-row tiles with 8-12 slots, which leaves SMs to the chain's neighbours and copies up
+to 12 weight tiles a program before the wait (8B decode steps 3-4.5 % faster at batch 4-16 than with the card's
+previous entries, on an H200: docs/benchmarks/engine.md, run 69; alone such configs read less than ones with more
+programs).
 
 There is no CPU interpreter for Gluon: off sm_90 (and under TRITON_INTERPRET) int8_gemm runs the "dot" kernel
 instead (swap_ok). A CPU test compiles this kernel for sm_90; the GPU tests compare it with the exact int32 product.
