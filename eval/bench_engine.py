@@ -93,12 +93,14 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def run_requests(engine, prompts, output_lens, deadline=None):
+def run_requests(engine, prompts, output_lens, deadline=None, final_only=False):
     """Add every request at once, step until all finish (or the deadline: the rest are aborted).
 
     Returns per-request add / first-token / last-token times and token counts, and per step
     (wall seconds, number of sequences that got a token, sum of their attended context lengths,
-    whether it was a decode-only step).
+    whether it was a decode-only step). Each request is reported at every step with its whole output so far
+    (the engine's default), or with final_only only at its first token and its end (as `LLM.generate` adds them, less host work
+    a step): then only the steps that reported something are in the per-step list.
     """
     from eightbit import SamplingParams
 
@@ -112,7 +114,8 @@ def run_requests(engine, prompts, output_lens, deadline=None):
     _sync(engine.config.device)
     t0 = time.perf_counter()
     for rid, prompt, n in zip(rids, prompts, output_lens):
-        engine.add_request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.add_request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                           final_only=final_only, first_token_output=final_only)
         t_add[rid] = time.perf_counter()
     unfinished = set(rids)
     aborted = False

@@ -3,8 +3,9 @@
 With async scheduling the host prepares step t + 1 and post-processes step t while the GPU runs; a step whose
 sampled tokens are already there when the host asks for them (a wait of ~0) was paced by the host, or both sides
 took about as long; the GPU's own span tells which. Per batch size, over the decode steps of B requests added at
-once (`bench_engine.run_requests`: random token prompts, greedy, every request reported at every step), this
-prints the medians of:
+once (`bench_engine.run_requests`: random token prompts, greedy, every request reported at every step with its
+whole output so far, the engine's default, or with `--final-only` only at its first token and its end, as `LLM.generate` adds
+them), this prints the medians of:
 - step: the wall time of `LLMEngine.step()`;
 - wait: the host's time blocked on the step's tokens (`LLMEngine._tokens_to_host`);
 - GPU (CUDA only): the GPU's span from the step's first input upload to its tokens' copy (CUDA events recorded as
@@ -17,6 +18,7 @@ which is how to measure it on a machine without a GPU (engine.md, runs 62-66, ha
 
     python -m eightbit.eval.bench_host --model llama-3.2-1b --batch-sizes 8,64,256      # a GPU machine
     python -m eightbit.eval.bench_host --model llama-tiny --stub-model --batch-sizes 64,256 --device cpu
+    python -m eightbit.eval.bench_host --model llama-3.2-1b --batch-sizes 256 --final-only  # generate's host work
 """
 
 import argparse
@@ -95,26 +97,28 @@ class StepTimer:
         return [1e3 * start.elapsed_time(end) for start, end in spans]
 
 
-def decode_steps(engine, timer, batch, prompt_len, new_tokens, seed):
+def decode_steps(engine, timer, batch, prompt_len, new_tokens, seed, final_only=False):
     """Run `batch` requests to the end (`bench_engine.run_requests`). Per decode step after the first two and before
     the last two (the pipeline's fill and drain): (step seconds, wait seconds); and the GPU spans (µs) of the steps
     launched during them (CUDA), read once the run is over so that no event makes the host wait mid-run."""
     timer.rows.clear()
     timer.spans.clear()
-    run_requests(engine, random_prompts(batch, prompt_len, engine.hf_config.vocab_size, seed), [new_tokens] * batch)
+    run_requests(engine, random_prompts(batch, prompt_len, engine.hf_config.vocab_size, seed), [new_tokens] * batch,
+                 final_only=final_only)
     rows, spans = list(timer.rows), timer.spans
     gpu = timer.gpu_us(spans[2:-2] or spans) if timer.cuda else []
     return rows[2:-2] or rows, gpu
 
 
-def bench_host(llm, batch_sizes, prompt_len=512, new_tokens=64, seed=0):
-    """Per batch size: dict(batch, steps, step_us, wait_us, gpu_us) (medians; gpu_us None off CUDA)."""
+def bench_host(llm, batch_sizes, prompt_len=512, new_tokens=64, seed=0, final_only=False):
+    """Per batch size: dict(batch, steps, step_us, wait_us, gpu_us) (medians; gpu_us None off CUDA). final_only:
+    the requests are reported only at their first token and their end (run_requests)."""
     engine = llm.engine
     timer = StepTimer(engine)
     results = []
     for b in batch_sizes:
-        decode_steps(engine, timer, b, prompt_len, min(new_tokens, 4), seed + 1000 + b)  # warm-up
-        rows, gpu = decode_steps(engine, timer, b, prompt_len, new_tokens, seed + b)
+        decode_steps(engine, timer, b, prompt_len, min(new_tokens, 4), seed + 1000 + b, final_only)  # warm-up
+        rows, gpu = decode_steps(engine, timer, b, prompt_len, new_tokens, seed + b, final_only)
         results.append(dict(batch=b, steps=len(rows), step_us=1e6 * statistics.median(r[0] for r in rows),
                             wait_us=1e6 * statistics.median(r[1] for r in rows),
                             gpu_us=statistics.median(gpu) if gpu else None))
@@ -130,8 +134,10 @@ def gpu_paced(r) -> bool:
     return r["wait_us"] > 0.05 * r["step_us"]
 
 
-def format_results(results, model, stub) -> str:
-    lines = [f"decode steps of {model}{' (model stubbed out: host work alone)' if stub else ''}, medians, µs",
+def format_results(results, model, stub, final_only=False) -> str:
+    reported = "reported at the first token and the end" if final_only else "reported every step"
+    lines = [f"decode steps of {model}{' (model stubbed out: host work alone)' if stub else ''}, requests {reported}, "
+             "medians, µs",
              f"{'batch':>6} {'steps':>6} {'step':>9} {'wait':>9} {'GPU':>9} {'µs / seq':>9}  paced by"]
     for r in results:
         gpu = "-" if r["gpu_us"] is None else f"{r['gpu_us']:9.0f}"
@@ -150,6 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--stub-model", action="store_true", help="zero hidden states and fixed logits: host work alone")
+    p.add_argument("--final-only", action="store_true",
+                   help="report each request only at its first token and its end, as LLM.generate adds them "
+                        "(default: at every step, its whole output so far)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -160,11 +169,12 @@ def main(argv=None) -> int:
     llm = build_llm(args.system, args.model, device, **options)
     if args.stub_model:
         stub_model(llm.engine)
-    results = bench_host(llm, batch_sizes, args.prompt_len, args.new_tokens)
+    results = bench_host(llm, batch_sizes, args.prompt_len, args.new_tokens, final_only=args.final_only)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, system=args.system, stub=args.stub_model, results=results), f, indent=1)
-    print(format_results(results, args.model, args.stub_model))
+            json.dump(dict(model=args.model, system=args.system, stub=args.stub_model, final_only=args.final_only,
+                           results=results), f, indent=1)
+    print(format_results(results, args.model, args.stub_model, args.final_only))
     return 0
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eightbit import SamplingParams
-from eightbit.eval.bench_engine import build_llm
+from eightbit.eval.bench_engine import build_llm, run_requests
 from eightbit.eval.bench_host import bench_host, format_results, main, stub_model
 
 
@@ -35,6 +35,20 @@ def test_bench_host_counts_the_decode_steps(tiny_llm):
     assert not tiny_llm.engine.has_unfinished_requests() and tiny_llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_final_only_requests_report_twice_and_time_the_same_decode_steps(tiny_llm):
+    stub_model(tiny_llm.engine)
+    prompts, lens = [[1, 2, 3, 4], [5, 6, 7], [8, 9]], [6, 6, 6]
+    every = run_requests(tiny_llm.engine, prompts, lens)
+    final = run_requests(tiny_llm.engine, prompts, lens, final_only=True)
+    for run in (every, final):
+        assert list(run["ntok"].values()) == lens and set(run["first"]) == set(run["last"]) == set(run["rids"])
+    # reported every step: the prefill step and five decode steps; final-only: the first token's step and the end's
+    assert [s[1] for s in every["steps"]] == [3] * 6
+    assert [s[1] for s in final["steps"]] == [3, 3]
+    assert bench_host(tiny_llm, [3], prompt_len=20, new_tokens=12, final_only=True)[0]["steps"] == 12 - 1 - 4
+    assert not tiny_llm.engine.has_unfinished_requests() and tiny_llm.engine.block_manager.num_used_blocks == 0
+
+
 def test_format_results_says_what_paced_each_batch():
     rows = [dict(batch=8, steps=10, step_us=900.0, wait_us=400.0, gpu_us=880.0),
             dict(batch=256, steps=10, step_us=4000.0, wait_us=15.0, gpu_us=2600.0),
@@ -54,3 +68,8 @@ def test_cli_writes_json(tmp_path, capsys):
     assert saved["stub"] is True and [r["batch"] for r in saved["results"]] == [2]
     assert saved["results"][0]["steps"] == 9 - 1 - 4
     assert "model stubbed out" in capsys.readouterr().out
+    assert main(["--model", "llama-tiny", "--stub-model", "--device", "cpu", "--batch-sizes", "2",
+                 "--prompt-len", "16", "--new-tokens", "9", "--final-only", "--json", str(path)]) == 0
+    saved = json.loads(path.read_text())
+    assert saved["final_only"] is True and saved["results"][0]["steps"] == 9 - 1 - 4
+    assert "reported at the first token and the end" in capsys.readouterr().out
