@@ -99,8 +99,9 @@ def run_requests(engine, prompts, output_lens, deadline=None, final_only=False):
     Returns per-request add / first-token / last-token times and token counts, and per step
     (wall seconds, number of sequences that got a token, sum of their attended context lengths,
     whether it was a decode-only step). Each request is reported at every step with its whole output so far
-    (the engine's default), or with final_only only at its first token and its end (as `LLM.generate` adds them, less host work
-    a step): then only the steps that reported something are in the per-step list.
+    (the engine's default), or with final_only only at its first token and its end (as the server adds a request
+    that is not streamed, about as `LLM.generate` does: less host work a step); then only the steps that reported
+    something are in the per-step list.
     """
     from eightbit import SamplingParams
 

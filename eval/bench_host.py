@@ -4,8 +4,9 @@ With async scheduling the host prepares step t + 1 and post-processes step t whi
 sampled tokens are already there when the host asks for them (a wait of ~0) was paced by the host, or both sides
 took about as long; the GPU's own span tells which. Per batch size, over the decode steps of B requests added at
 once (`bench_engine.run_requests`: random token prompts, greedy, every request reported at every step with its
-whole output so far, the engine's default, or with `--final-only` only at its first token and its end, as `LLM.generate` adds
-them), this prints the medians of:
+whole output so far, the engine's default, or with `--final-only` only at its first token and its end, as the
+server adds a request that is not streamed and about as `LLM.generate` does (its requests: at the end only)),
+this prints the medians of:
 - step: the wall time of `LLMEngine.step()`;
 - wait: the host's time blocked on the step's tokens (`LLMEngine._tokens_to_host`);
 - GPU (CUDA only): the GPU's span from the step's first input upload to its tokens' copy (CUDA events recorded as
@@ -157,8 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--stub-model", action="store_true", help="zero hidden states and fixed logits: host work alone")
     p.add_argument("--final-only", action="store_true",
-                   help="report each request only at its first token and its end, as LLM.generate adds them "
-                        "(default: at every step, its whole output so far)")
+                   help="report each request only at its first token and its end, as the server does a request "
+                        "that is not streamed (LLM.generate: at the end only); default: at every step, its whole "
+                        "output so far")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
