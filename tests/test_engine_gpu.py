@@ -175,3 +175,20 @@ def test_gpu_engine_compiles_no_gemm_variant_while_serving(monkeypatch):
         llm.generate([_prompt(i, n) for i, n in enumerate(lengths)], greedy, use_tqdm=False)
     late = [r for r in loaded if "int8_gemm" in r]
     assert not late, f"{len(late)} GEMM variants loaded while serving: {late[:3]}"
+
+
+def test_gpu_a_dropped_engine_gives_its_memory_back():
+    """The engine freezes its start-up heap out of later garbage collections (LLMEngine: _freeze_startup_heap); a
+    dropped CUDA engine (weights, KV cache, CUDA graphs) must still be freed, or a process that builds engines one
+    after another (the benchmarks, these tests) runs out of memory."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    llm = LLM("llama-3.2-1b", load_format="dummy", quantization="w8a8", kv_cache_dtype="int8", max_model_len=512,
+              kv_cache_memory_gb=0.5, max_num_seqs=4)
+    llm.generate([_prompt(1, 40)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    held = torch.cuda.memory_allocated() - before
+    assert held > 2**30  # 1B int8 weights, the bf16 embedding and lm_head, 0.5 GB of KV cache
+    del llm
+    gc.collect()
+    assert torch.cuda.memory_allocated() - before < 0.02 * held  # what is left: the kernels' scratch buffers
