@@ -23,7 +23,7 @@ ARMS = ("frozen", "not frozen")
 
 def run_arm(args) -> dict:
     """This process's arm: build the engine, push the requests through in rounds of --batch, record every
-    collection's generation and duration, and each step's wall time."""
+    collection's generation and duration, and each decode step's wall time."""
     import gc
 
     import torch
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # a child process's arm
     args = p.parse_args(argv)
-    if args.requests < 1 or args.batch < 1:
-        p.error("--requests and --batch must be at least 1")
+    if min(args.requests, args.batch, args.prompt_len) < 1 or args.new_tokens < 2:
+        p.error("--requests, --batch and --prompt-len must be at least 1, --new-tokens at least 2 (a decode step)")
     if args.arm:
         print(json.dumps(run_arm(args)))
         return 0

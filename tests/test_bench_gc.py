@@ -24,10 +24,11 @@ def test_both_arms_run_the_same_steps_and_only_the_frozen_one_leaves_the_start_u
     assert "not frozen / frozen: slowest decode step" in table and table.count(" 250 ") == 2
 
 
-def test_bad_counts_are_refused(capsys):
+@pytest.mark.parametrize("bad", [["--requests", "0"], ["--batch", "0"], ["--new-tokens", "1"]])
+def test_bad_counts_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
-        main(["--requests", "0"])
-    assert "--requests and --batch must be at least 1" in capsys.readouterr().err
+        main(bad)
+    assert "must be at least 1, --new-tokens at least 2" in capsys.readouterr().err
 
 
 def test_an_arm_that_fails_stops_the_run_with_its_error():
