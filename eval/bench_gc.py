@@ -13,6 +13,7 @@ waits that long for its next token. Frozen objects are left out of every collect
 """
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -24,22 +25,14 @@ ARMS = ("frozen", "not frozen")
 def run_arm(args) -> dict:
     """This process's arm: build the engine, push the requests through in rounds of --batch, record every
     collection's generation and duration, and each decode step's wall time."""
-    import gc
-
-    import torch
-
     from eightbit.engine import llm_engine
     from eightbit.eval.bench_common import random_prompts
-    from eightbit.eval.bench_engine import build_llm, run_requests
-    from eightbit.eval.bench_host import stub_model
+    from eightbit.eval.bench_engine import run_requests
+    from eightbit.eval.bench_host import build_host_llm
 
     if args.arm == "not frozen":
         llm_engine._freeze_startup_heap = gc.collect  # the collection before the freeze, not the freeze
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    options = dict(dtype="float32", kv_cache_memory_gb=1.0) if device == "cpu" else {}
-    llm = build_llm("eightbit-int8", args.model, device, max_num_seqs=max(256, args.batch), **options)
-    if args.stub_model:
-        stub_model(llm.engine)
+    llm = build_host_llm(args.model, args.device, args.batch, args.stub_model)
     vocab = llm.engine.hf_config.vocab_size
     warm_up = min(args.batch, args.requests)  # the kernels' first compiles (the first arm's are on disk after)
     run_requests(llm.engine, random_prompts(warm_up, args.prompt_len, vocab, -1), [args.new_tokens] * warm_up)

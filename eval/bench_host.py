@@ -47,6 +47,20 @@ def stub_model(engine, seed=0):
     return fixed
 
 
+def build_host_llm(model, device=None, largest_batch=256, stub=False, system="eightbit-int8"):
+    """An LLM on dummy weights for the host-work benchmarks (this one and bench_gc): on `device` (default: cuda if
+    available; the CPU in float32 with a 1 GB cache), room for `largest_batch` sequences, the model stubbed out
+    (`stub_model`) if asked."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    options = dict(max_num_seqs=max(256, largest_batch))  # the engine's default, or room for the largest batch
+    if device == "cpu":
+        options.update(dtype="float32", kv_cache_memory_gb=1.0)
+    llm = build_llm(system, model, device, **options)
+    if stub:
+        stub_model(llm.engine)
+    return llm
+
+
 class StepTimer:
     """Wraps the engine's step and its parts (on the instance) to record, per decode step (every request already
     has its first token), its wall time and wait and, on CUDA, the event pairs of the steps launched during it."""
@@ -164,13 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    options = dict(max_num_seqs=max(256, *batch_sizes))  # the engine's default, or room for the largest batch
-    if device == "cpu":
-        options.update(dtype="float32", kv_cache_memory_gb=1.0)
-    llm = build_llm(args.system, args.model, device, **options)
-    if args.stub_model:
-        stub_model(llm.engine)
+    llm = build_host_llm(args.model, args.device, max(batch_sizes), args.stub_model, args.system)
     results = bench_host(llm, batch_sizes, args.prompt_len, args.new_tokens, final_only=args.final_only)
     if args.json:
         with open(args.json, "w") as f:
