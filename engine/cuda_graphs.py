@@ -6,8 +6,14 @@ step or a short prefill is bound by the host, not the GPU (Llama-3-8B, a 512-tok
 launch. The graphs read their inputs from static buffers: a step copies its inputs in,
 pads up to the bucket with rows that write nowhere (cache slot -1) and replays. All graphs
 share one memory pool (their replays never overlap), captured largest first.
+
+A step uploads its inputs with one copy (and its block tables with a second), and a decode graph
+computes the logits too: for a small model the host's work per step can set its pace (Llama-3.2-1B
+at batch 1 on an H200: 0.42-0.83 ms of host work against 0.78 ms of GPU work), and each launch or
+copy left outside the graph cost it 10-80 us (docs/benchmarks/engine.md, run 73).
 """
 
+import numpy as np
 import torch
 
 from eightbit.engine.context import Context, reset_context, set_context
@@ -29,12 +35,16 @@ def token_buckets(max_tokens: int) -> list[int]:
 class _Graphs:
     """Static input buffers, one graph per bucket, and the capture loop shared by both kinds."""
 
-    def __init__(self, model, buckets, rows, table_rows, table_width, hidden_size, dtype, device):
+    def __init__(self, model, buckets, rows, num_lengths, table_rows, table_width, hidden_size, dtype, device):
         self.model = model
         self.buckets = buckets
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        # The per-token inputs and the int32 lengths in one buffer, so that a step uploads them with one copy:
+        # input ids | positions | slot mapping (int64, `width` each, 64-byte aligned) | lengths (int32).
+        self._width = width = -(-rows // 8) * 8
+        self.inputs = torch.zeros(3 * width + -(-num_lengths // 2), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = (v[:rows] for v in self.inputs[: 3 * width].view(3, width))
+        self.lengths = self.inputs[3 * width :].view(torch.int32)[:num_lengths]
+        self.slot_mapping.fill_(-1)  # the captures' steps write nowhere
         self.block_tables = torch.zeros(table_rows, table_width, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.graphs = {}
@@ -73,46 +83,59 @@ class _Graphs:
         """Whether a step of n new tokens with this (host-side) context can replay a graph."""
         return n <= self.buckets[-1] and context.block_tables.shape[1] <= self.block_tables.shape[1]
 
-    def _upload(self, dst, src):
-        """dst[:len(src)] = src, without stalling the stream: a copy from pageable host memory makes
-        CUDA wait for all queued work first (the step launched ahead by async scheduling), one from
-        pinned memory does not. torch's pinned-memory cache keeps the staging block until the copy
-        has run."""
-        if self._pinned and src.device.type == "cpu":
-            src = src.pin_memory()
-        dst[: len(src)].copy_(src, non_blocking=True)
+    def _upload(self, n, input_ids, positions, context, lengths):
+        """Copy the step's n tokens in, padded to the buffers' rows (position 0, slot -1: padding writes nowhere),
+        with its int32 lengths (the rest zero), in one copy; then its block tables.
 
-    def _copy_tokens(self, rows, input_ids, positions, context):
-        n = len(input_ids)
-        self._upload(self.input_ids, input_ids)
-        self._upload(self.positions, positions)
-        self._upload(self.slot_mapping, context.slot_mapping)
-        self.slot_mapping[n:rows].fill_(-1)  # stale slots would overwrite other sequences' cache
+        The copies come from pinned memory: one from pageable host memory makes CUDA wait for all queued work
+        first (the step launched ahead by async scheduling), one from pinned memory does not. torch's
+        pinned-memory cache keeps the staging block until the copy has run. input_ids on the device (a
+        continuation's sampled tokens) are copied after the rest."""
+        host = torch.empty(self.inputs.shape, dtype=torch.int64, pin_memory=self._pinned)
+        packed = host.numpy()
+        ids, pos, slots = packed[: 3 * self._width].reshape(3, self._width)
+        on_host = input_ids.device.type == "cpu"
+        ids[:] = 0
+        if on_host:
+            ids[:n] = input_ids.numpy()
+        pos[:n], pos[n:] = positions.numpy(), 0
+        slots[:n], slots[n:] = context.slot_mapping.numpy(), -1
+        tail = packed[3 * self._width :].view(np.int32)
+        tail[:] = 0
+        tail[: len(lengths)] = lengths
+        self.inputs.copy_(host, non_blocking=True)
+        if not on_host:
+            self.input_ids[:n].copy_(input_ids)
         # the step's columns, and zeros past them (not a whole padded row from the host: at 256 sequences and
         # 8k tokens that is 0.5 MB to build and pin per step)
         tables = context.block_tables
-        self._upload(self.block_tables[:, : tables.shape[1]], tables)
+        self.block_tables[: len(tables), : tables.shape[1]].copy_(tables.pin_memory() if self._pinned else tables,
+                                                                  non_blocking=True)
         self.block_tables[: len(tables), tables.shape[1] :].fill_(0)
 
 
 class DecodeGraphs(_Graphs):
-    """One token per sequence; padding sequences have length 0 (decode attention writes zeros)."""
+    """One token per sequence; padding sequences have length 0 (decode attention writes zeros). The graph
+    computes the logits of every row too."""
 
     def __init__(self, model, max_batch, max_blocks_per_seq, hidden_size, dtype, device):
         buckets = batch_buckets(max_batch)
         b = buckets[-1]
-        super().__init__(model, buckets, b, b, max_blocks_per_seq, hidden_size, dtype, device)
-        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        super().__init__(model, buckets, b, b, b, max_blocks_per_seq, hidden_size, dtype, device)
+        self.seq_lens = self.lengths
+        self.logits = torch.zeros(b, model.config.vocab_size, dtype=torch.float32, device=device)
 
     def run(self, input_ids, positions, context):
-        """Replay the smallest graph that holds the batch; returns hidden states [B, hidden]."""
+        """Replay the smallest graph that holds the batch; returns hidden states [B, hidden] and float32
+        logits [B, vocab]."""
         n = input_ids.shape[0]
-        b = self._bucket(n)
-        self._copy_tokens(b, input_ids, positions, context)
-        self._upload(self.seq_lens, context.seq_lens)
-        self.seq_lens[n:b].fill_(0)
-        self.graphs[b].replay()
-        return self.hidden[:n]
+        self._upload(n, input_ids, positions, context, context.seq_lens.numpy())
+        self.graphs[self._bucket(n)].replay()
+        return self.hidden[:n], self.logits[:n]
+
+    def _forward(self, rows):
+        super()._forward(rows)
+        self.model.compute_logits(self.hidden[:rows], out=self.logits[:rows])
 
     def _context(self, b, warm_up):
         return Context(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
@@ -132,23 +155,20 @@ class PrefillGraphs(_Graphs):
     def __init__(self, model, max_tokens, max_blocks_per_seq, hidden_size, dtype, device):
         buckets = token_buckets(max_tokens)
         t = buckets[-1]
-        super().__init__(model, buckets, t, 2, max_blocks_per_seq, hidden_size, dtype, device)
-        # seq_lens [2] and cu_seqlens_q [3] in one buffer, filled by one copy per step
-        self.lengths = torch.zeros(5, dtype=torch.int32, device=device)
+        # lengths: seq_lens [2] and cu_seqlens_q [3]
+        super().__init__(model, buckets, t, 5, 2, max_blocks_per_seq, hidden_size, dtype, device)
 
     def fits(self, n: int, context: Context) -> bool:
         return len(context.seq_lens) == 1 and super().fits(n, context)
 
     def run(self, input_ids, positions, context):
-        """Replay the smallest graph that holds the step's n tokens; returns hidden states [n, hidden]."""
+        """Replay the smallest graph that holds the step's n tokens; returns hidden states [n, hidden] and None
+        (no logits: the step's caller computes those of the rows it needs)."""
         n = input_ids.shape[0]
         t = self._bucket(n)
-        self._copy_tokens(t, input_ids, positions, context)
-        self.positions[n:t].fill_(0)  # padding rows: any position inside the RoPE table
-        seq_len = int(context.seq_lens[0])
-        self._upload(self.lengths, torch.tensor([seq_len, t - n, 0, n, t], dtype=torch.int32))
+        self._upload(n, input_ids, positions, context, [int(context.seq_lens[0]), t - n, 0, n, t])
         self.graphs[t].replay()
-        return self.hidden[:n]
+        return self.hidden[:n], None
 
     def _fill_for_capture(self, t):
         self.lengths.copy_(torch.tensor([t, 0, 0, t, t], dtype=torch.int32))  # one sequence of t tokens

@@ -131,6 +131,14 @@ class LLMEngine:
 
         return attention_configs.PREFILL_INT8_VIA_FLOAT_MAX_BYTES if self.kv_dtype == torch.int8 else 0
 
+    def _graph_bytes(self) -> int:
+        """Room for the CUDA graphs: their pool and workspace, and the decode graphs' logits (float32, and the
+        model's dtype they are cast from: 0.2 GB at 256 sequences and a 128k vocabulary)."""
+        if self.config.enforce_eager:
+            return GRAPH_RESERVE_BYTES
+        rows = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
+        return GRAPH_RESERVE_BYTES + rows * self.hf_config.vocab_size * (4 + self.config.torch_dtype.itemsize)
+
     def _num_kv_blocks(self) -> int:
         c = self.config
         bytes_per_block = self.kv_bytes_per_token * c.block_size
@@ -143,7 +151,7 @@ class LLMEngine:
                                                    self.kv_dtype, self.kv_group_size)
             free, total = torch.cuda.mem_get_info()
             other_processes = total - free - torch.cuda.memory_reserved()
-            budget = (total * c.gpu_memory_utilization - other_processes - peak - GRAPH_RESERVE_BYTES
+            budget = (total * c.gpu_memory_utilization - other_processes - peak - self._graph_bytes()
                       - self._transient_attention_bytes())
             num_blocks = max(int(budget // bytes_per_block), 0)
         capacity = num_blocks * c.block_size

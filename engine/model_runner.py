@@ -149,21 +149,22 @@ class ModelRunner:
             self.kv_cache.copy_blocks(copies)
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # one-token sequences first (stable)
         input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled, input_tokens)
-        hidden = self._run_graph(input_ids, positions, context)
-        if hidden is None:
-            hidden = self._run_eager(input_ids, positions, context)
+        hidden, logits = self._run_graph(input_ids, positions, context) or (
+            self._run_eager(input_ids, positions, context), None)  # logits: every row's, if the graph made them
         if not sample_seqs:
             logits = None
-        elif len(sample_seqs) == len(hidden):  # every row samples (decode): no gather, no copy
+        elif len(sample_seqs) < len(hidden):
+            rows = host_tensor_to_device(sample_rows, self.device)
+            logits = self.model.compute_logits(hidden[rows]) if logits is None else logits[rows]
+        elif logits is None:  # every row samples (decode): no gather, no copy
             logits = self.model.compute_logits(hidden)
-        else:
-            logits = self.model.compute_logits(hidden[host_tensor_to_device(sample_rows, self.device)])
         # a continuation (input_tokens given) runs past every prompt: no prompt position to score
         prompt_logprobs = {} if input_tokens is not None else self._prompt_logprobs(scheduled, hidden)
         return StepResult(sample_seqs, logits, prompt_logprobs)
 
     def _run_graph(self, input_ids, positions, context):
-        """Replay a captured graph if one fits the step; None if the step must run eagerly."""
+        """Replay a captured graph if one fits the step: (hidden states, logits of every row or None); None if the
+        step must run eagerly."""
         graphs = self.decode_graphs if context.is_decode else self.prefill_graphs
         if graphs is None or not graphs.fits(len(input_ids), context):
             return None

@@ -109,3 +109,25 @@ def test_prefill_padding_writes_nowhere_cpu():
         for name, c in (("K", cache.k[layer]), ("V", v_token_major(cache.k[layer], cache.v[layer]))):
             written = (c != 0).any(-1).any(-1).flatten().nonzero().flatten().tolist()  # [blocks * block_size]
             assert written == want, f"layer {layer} {name}"
+
+
+def test_decode_graph_steps_with_prompt_chunks_match_eager_cpu():
+    """A token budget of 2 makes every step of two sequences decode-shaped (one new token each) while the second
+    prompt is fed a token at a time: rows that do not sample (the graph computed their logits; the step takes the
+    sampling rows') and prompt log-probs scored from the graph's hidden states."""
+    opts = dict(OPTIONS, max_num_batched_tokens=2, max_num_seqs=2)
+    first = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    second = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    prompts = [_prompt(1, 2), _prompt(2, 7)]
+
+    ref = LLM("llama-tiny", **opts)
+    want = ref.generate(prompts, [first, second], use_tqdm=False)
+    llm = LLM("llama-tiny", **opts)
+    replays = _with_fake_graphs(llm, max_batch=2, max_prefill=16)
+    got = llm.generate(prompts, [first, second], use_tqdm=False)
+
+    assert replays.count(("DecodeGraphs", 2)) >= 6  # the second prompt's one-token chunks beside the first's decodes
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        torch.testing.assert_close(_chosen(g.outputs[0].logprobs), _chosen(w.outputs[0].logprobs), atol=1e-4, rtol=0)
+    torch.testing.assert_close(_chosen(got[1].prompt_logprobs), _chosen(want[1].prompt_logprobs), atol=1e-4, rtol=0)

@@ -130,10 +130,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden] (logits are a separate step)."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden):
-        """hidden [N, hidden] -> float32 logits [N, vocab]; lm_head stays in the float dtype (not quantized)."""
+    def compute_logits(self, hidden, out=None):
+        """hidden [N, hidden] -> float32 logits [N, vocab] (written into `out` if given); lm_head stays in the float
+        dtype (not quantized)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def quantize_linears_(self):
         """Turn every decoder linear into W8A8 (round-to-nearest, no smoothing) and quantize their inputs."""
