@@ -131,3 +131,17 @@ def test_decode_graph_steps_with_prompt_chunks_match_eager_cpu():
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         torch.testing.assert_close(_chosen(g.outputs[0].logprobs), _chosen(w.outputs[0].logprobs), atol=1e-4, rtol=0)
     torch.testing.assert_close(_chosen(got[1].prompt_logprobs), _chosen(want[1].prompt_logprobs), atol=1e-4, rtol=0)
+
+
+def test_kv_budget_reserves_the_decode_graphs_logits_cpu():
+    """The decode graphs' static logits (and the model-dtype logits they are cast from, in the graphs' pool) are
+    held for the engine's life, so the KV budget must leave room for them beside the graphs' fixed reserve."""
+    from eightbit.engine.llm_engine import GRAPH_RESERVE_BYTES
+
+    llm = LLM("llama-tiny", **dict(OPTIONS, max_num_seqs=8))
+    _with_fake_graphs(llm, max_batch=8, max_prefill=64)
+    logits = llm.engine.runner.decode_graphs.logits
+    cast_from = logits.numel() * llm.engine.config.torch_dtype.itemsize
+    assert llm.engine._graph_bytes() - GRAPH_RESERVE_BYTES >= logits.numel() * logits.element_size() + cast_from
+    eager = LLM("llama-tiny", **dict(OPTIONS, max_num_seqs=8, enforce_eager=True))
+    assert eager.engine._graph_bytes() == GRAPH_RESERVE_BYTES
