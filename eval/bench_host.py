@@ -14,6 +14,10 @@ this prints the medians of:
   it also holds any gap in which the GPU waited for the host's launches inside the step (the logits and sampling
   kernels after the graph), which a host that keeps up does not leave.
 
+It also times a fixed pure-Python loop before and after the runs (`python_loop_us`): on the GPU machines (16-vCPU
+microVMs) some processes ran the interpreter about half as fast as others, the same GPU work in each, and their
+steps were paced by the host (engine.md, run 73); compare that number between processes before comparing steps.
+
 `--stub-model` replaces the model by zero hidden states and fixed logits: what is left is the host work alone,
 which is how to measure it on a machine without a GPU (engine.md, runs 62-66, has both kinds of numbers).
 
@@ -140,6 +144,19 @@ def bench_host(llm, batch_sizes, prompt_len=512, new_tokens=64, seed=0, final_on
     return results
 
 
+def python_loop_us(iterations=20_000, repeats=5) -> float:
+    """The best of `repeats` timings of a fixed pure-Python loop, in µs: how fast this process's host runs the
+    interpreter now."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total = 0
+        for i in range(iterations):
+            total += i * i
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
 def gpu_paced(r) -> bool:
     """Whether the GPU set the steps' pace: its span fills the step (within 7 %), or, where no span was measured,
     the host waited for the tokens (> 5 % of the step). With the host's work and the GPU's about equal, the wait is
@@ -179,12 +196,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = build_host_llm(args.model, args.device, max(batch_sizes), args.stub_model, args.system)
+    loop_before = python_loop_us()
     results = bench_host(llm, batch_sizes, args.prompt_len, args.new_tokens, final_only=args.final_only)
+    loop_us = [loop_before, python_loop_us()]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, system=args.system, stub=args.stub_model, final_only=args.final_only,
-                           results=results), f, indent=1)
+                           python_loop_us=loop_us, results=results), f, indent=1)
     print(format_results(results, args.model, args.stub_model, args.final_only))
+    print(f"host: a reference Python loop took {loop_us[0]:.0f} µs before the runs and {loop_us[1]:.0f} µs after "
+          "(compare it between processes: a slow host paces the steps)")
     return 0
 
 

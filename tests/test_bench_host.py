@@ -67,7 +67,9 @@ def test_cli_writes_json(tmp_path, capsys):
     saved = json.loads(path.read_text())
     assert saved["stub"] is True and [r["batch"] for r in saved["results"]] == [2]
     assert saved["results"][0]["steps"] == 9 - 1 - 4
-    assert "model stubbed out" in capsys.readouterr().out
+    assert len(saved["python_loop_us"]) == 2 and all(t > 0 for t in saved["python_loop_us"])  # before and after
+    out = capsys.readouterr().out
+    assert "model stubbed out" in out and f"took {saved['python_loop_us'][0]:.0f} µs before" in out
     assert main(["--model", "llama-tiny", "--stub-model", "--device", "cpu", "--batch-sizes", "2",
                  "--prompt-len", "16", "--new-tokens", "9", "--final-only", "--json", str(path)]) == 0
     saved = json.loads(path.read_text())
