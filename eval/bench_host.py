@@ -11,8 +11,8 @@ this prints the medians of:
 - wait: the host's time blocked on the step's tokens (`LLMEngine._tokens_to_host`);
 - GPU (CUDA only): the GPU's span from the step's first input upload to its tokens' copy (CUDA events recorded as
   `ModelRunner._run_graph` starts and `LLMEngine._launch` returns): an upper bound on the step's GPU work, since
-  it also holds any gap in which the GPU waited for the host's launches inside the step (the logits and sampling
-  kernels after the graph), which a host that keeps up does not leave.
+  it also holds any gap in which the GPU waited for the host's launches inside the step (the sampling kernels
+  after the graph; before run 73 the logits' too), which a host that keeps up does not leave.
 
 It also times a fixed pure-Python loop before and after the runs (`python_loop_us`): on the GPU machines (16-vCPU
 microVMs) some processes ran the interpreter about half as fast as others, the same GPU work in each, and their
