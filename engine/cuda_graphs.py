@@ -121,8 +121,8 @@ class DecodeGraphs(_Graphs):
     def __init__(self, model, max_batch, max_blocks_per_seq, hidden_size, dtype, device):
         buckets = batch_buckets(max_batch)
         b = buckets[-1]
+        # lengths: each sequence's context length (seq_lens)
         super().__init__(model, buckets, b, b, b, max_blocks_per_seq, hidden_size, dtype, device)
-        self.seq_lens = self.lengths
         self.logits = torch.zeros(b, model.config.vocab_size, dtype=torch.float32, device=device)
 
     def run(self, input_ids, positions, context):
@@ -139,7 +139,7 @@ class DecodeGraphs(_Graphs):
 
     def _context(self, b, warm_up):
         return Context(slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
-                       seq_lens=self.seq_lens[:b], num_decodes=b)
+                       seq_lens=self.lengths[:b], num_decodes=b)
 
 
 class PrefillGraphs(_Graphs):
