@@ -258,8 +258,9 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
 
         fused = 1 < splits <= attention_configs.DECODE_WS_MERGE_IN_KERNEL_MAX_SPLITS
         counters = _merge_counters(q.device, bsz * k_cache.shape[2]) if fused else None
+        order, settled = _work_order(seq_lens, block_tables)
         launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, float(softmax_scale) * LOG2E, out,
-                  part_out, part_lse, splits, group, _work_order(seq_lens), counters)
+                  part_out, part_lse, splits, group, order, counters, early=settled)
         return out if fused else _reduce(part_out, part_lse, out, splits)
     hkv = k_cache.shape[2]
     qpk = hq // hkv
@@ -284,17 +285,28 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
 
 
 _last_order = [None]  # the memo of _work_order (prefill_attention.per_step)
+_last_tables = [None]  # the block tables of the latest call (the same memo, holding nothing)
 _counters = {}  # device -> the merge counters of the Gluon kernel (kernels/scratch.py)
 
 
-def _work_order(seq_lens):
+def _work_order(seq_lens, block_tables):
     """The order in which the Gluon kernel takes the sequences (int32 indices on the device, no host sync):
     longest first (attention_configs.DECODE_LONGEST_FIRST), so the grid starts the longest work items first.
     Built once per step (per_step). Results never depend on it: a stale order is still a permutation of the
     batch, and every work item is computed alone. (Its lengths beside it would save the kernel one dependent
-    load, 0.1-0.5 us a call (attention.md, sixteenth session), but a stale copy of them would be wrong results.)"""
+    load, 0.1-0.5 us a call (attention.md, sixteenth session), but a stale copy of them would be wrong results.)
+
+    Returns (order, settled). settled: the previous call took these same seq_lens and block_tables, unchanged
+    (per_step's contract), and the order was built then. Then that call's kernel ran after everything that wrote
+    them, and the Gluon kernel may read them, and the order, before its PDL wait (decode_attention_hopper.
+    EARLY_INDICES): a kernel after it on the stream starts only once it has waited (pdl.py). At a step's first
+    layer the order's own kernel runs just before, so that call waits first."""
     longest_first = attention_configs.DECODE_LONGEST_FIRST
-    return per_step(_last_order, seq_lens, (longest_first,), lambda: _order(seq_lens, longest_first))
+    built = []  # per_step calls build() only on a miss
+    order = per_step(_last_order, seq_lens, (longest_first,),
+                     lambda: built.append(1) or _order(seq_lens, longest_first))
+    per_step(_last_tables, block_tables, (), lambda: built.append(1))
+    return order, not built
 
 
 def _order(seq_lens, longest_first):

@@ -43,8 +43,11 @@ On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.
 scheduled and set up (barriers, descriptors) while kv_write, which allows it, still runs; both partitions wait
 for it before any read whose value matters. In the chain (pdl.CHAIN) the producer first pulls its program's
 first tile of pages into L2 (_prefetch_first_tiles: hints only, from indices that may be stale), so the first
-copies after the wait come from L2. Once a program's producer has issued its last copy it allows the kernel
-after us (quant_per_token, which waits for our output) to be scheduled.
+copies after the wait come from L2. Where the work order, lengths and block tables are older than the kernel just
+before us (every layer of a step after the first), both partitions load their first work item's indices before
+the wait too (EARLY_INDICES), so the producer's first copies start as soon as it returns. Once a program's
+producer has issued its last copy it allows the kernel after us (quant_per_token, which waits for our output) to
+be scheduled.
 
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
 reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
@@ -121,8 +124,9 @@ def _release_slot(empty, empty_off, slot, WARP_RELEASE: gl.constexpr):
 def _wait_for_previous_kernel(PDL: gl.constexpr):
     """Launched with PDL (kernels/pdl.py): block until the kernel before us has completed and its writes are
     visible (the primitive pdl.wait_for_previous_kernel uses). Both partitions call it before any read whose
-    value matters (only the producer's prefetch hints come before it): the kernel just before us may be kv_write
-    (q, the cache) or, at a step's first layer, the one that wrote the work order (decode_attention._work_order)."""
+    value matters: the kernel just before us may be kv_write (q, the cache) or, at a step's first layer, the one
+    that wrote the work order (decode_attention._work_order). Before it come only the producer's prefetch hints
+    and, with EARLY_INDICES, the first work item's indices, which were written before that kernel started."""
     if PDL:
         gdc_wait()
 
@@ -198,13 +202,15 @@ def _split_range(seq_len, split, num_splits, TILE: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr):
+def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constexpr, TILE: gl.constexpr,
+               CACHE: gl.constexpr):
     """Work item -> (kv head, sequence, split, first key, end key, splits with keys): kv head fastest, sequences
-    longest first (order_ptr: the batch's indices by descending length), split by _split_range."""
+    longest first (order_ptr: the batch's indices by descending length), split by _split_range. CACHE: the loads'
+    cache modifier (".cg" before the PDL wait: from L2, where every SM's writes meet)."""
     kvh = item % HKV
-    b = gl.load(order_ptr + (item // HKV) % batch).to(gl.int64)
+    b = gl.load(order_ptr + (item // HKV) % batch, cache_modifier=CACHE).to(gl.int64)
     split = item // (HKV * batch)
-    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+    seq_len = gl.load(seq_lens_ptr + b, cache_modifier=CACHE).to(gl.int32)
     start, end, live_splits = _split_range(seq_len, split, num_splits, TILE)
     return kvh, b, split, start, end, live_splits
 
@@ -213,7 +219,8 @@ def _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV: gl.constex
 def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
               k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, num_blocks, bt_width, stride_sb,
               stride_sp, stride_sh, stride_bt, HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr,
-              PDL: gl.constexpr, TRIGGER: gl.constexpr, PREFETCH_TILES: gl.constexpr):
+              PDL: gl.constexpr, TRIGGER: gl.constexpr, PREFETCH_TILES: gl.constexpr,
+              EARLY_INDICES: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     TILE: gl.constexpr = CONSUMERS * PAGE
@@ -229,50 +236,78 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
         _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
                               batch, num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
                               HKV, PAGE, D, PREFETCH_TILES)
-    _wait_for_previous_kernel(PDL)
     it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
     total = HKV * batch * num_splits
-    for pos in range(gl.program_id(0), total, gl.num_programs(0)):
+    pos0 = gl.program_id(0)
+    if EARLY_INDICES:  # the first item's keys and page numbers before the wait: its copies start right after it
+        kvh, b, split, start, end, _ = _work_item(_snake_item(pos0, total, gl.num_programs(0)), order_ptr,
+                                                  seq_lens_ptr, batch, num_splits, HKV, TILE, ".cg")
+        bt_row = block_tables_ptr + b * stride_bt
+        p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE, ".cg")
+        _wait_for_previous_kernel(PDL)
+        if pos0 < total:
+            it = _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready,
+                               empty, it, kvh, bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key,
+                               stride_sb, stride_sp, stride_sh, HKV, NG, STAGES, D, PAGE, nbytes)
+        pos0 += gl.num_programs(0)
+    else:
+        _wait_for_previous_kernel(PDL)
+    for pos in range(pos0, total, gl.num_programs(0)):
         item = _snake_item(pos, total, gl.num_programs(0))
-        kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE)
+        kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE, "")
         bt_row = block_tables_ptr + b * stride_bt
         # the tile's page numbers are loaded one tile ahead: their latency (a global load) stays off the
         # path from a freed slot to its copies
-        p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE)
-        for tile_start in range(start, end, TILE):
-            n0, n1, n2, n3 = _tile_pages(bt_row, tile_start + TILE, end, PAGE)
-            slot = it % STAGES
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            keys = tile_start + keys_3d
-            s_live = keys < end
-            blk = gl.where(page_of_key == 0, p0, gl.where(page_of_key == 1, p1, gl.where(page_of_key == 2, p2, p3)))
-            s_off = gl.multiple_of(blk.to(gl.int64) * stride_sb + (keys % PAGE) * stride_sp + kvh * stride_sh,
-                                   [1, 1, NG]) + groups
-            s_ptrs = gl.max_contiguous(gl.multiple_of(s_off, [1, 1, NG]), [1, 1, NG])  # strides are multiples of NG
-            async_copy.async_copy_global_to_shared(ks_bufs.index(slot), k_scale_ptr + s_ptrs, mask=s_live)
-            async_copy.async_copy_global_to_shared(vs_bufs.index(slot), v_scale_ptr + s_ptrs, mask=s_live)
-            async_copy.mbarrier_arrive(bar)  # keys past the end get scale 0 (masked copies write zeros)
-            mbarrier.expect(bar, nbytes)
-            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p0, 0, kvh, HKV, D)
-            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p1, 1, kvh, HKV, D)
-            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p2, 2, kvh, HKV, D)
-            _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p3, 3, kvh, HKV, D)
-            p0, p1, p2, p3 = n0, n1, n2, n3
-            it += 1
+        p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE, "")
+        it = _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty,
+                           it, kvh, bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key, stride_sb,
+                           stride_sp, stride_sh, HKV, NG, STAGES, D, PAGE, nbytes)
     if TRIGGER:  # every copy is issued: the kernel after us (which waits for our output) may be scheduled
         gdc_launch_dependents()
 
 
 @gluon.jit
-def _tile_pages(bt_row, tile_start, end, PAGE: gl.constexpr):
-    """The block-table entries of a tile's CONSUMERS (4) pages; 0 for pages past the end (copied, unused)."""
+def _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, it, kvh,
+                  bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key, stride_sb, stride_sp, stride_sh,
+                  HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                  nbytes: gl.constexpr):
+    """One work item's tiles into the ring from position it on (p0..p3: its first tile's page numbers); returns
+    the ring position after them."""
+    TILE: gl.constexpr = CONSUMERS * PAGE
+    for tile_start in range(start, end, TILE):
+        n0, n1, n2, n3 = _tile_pages(bt_row, tile_start + TILE, end, PAGE, "")
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        keys = tile_start + keys_3d
+        s_live = keys < end
+        blk = gl.where(page_of_key == 0, p0, gl.where(page_of_key == 1, p1, gl.where(page_of_key == 2, p2, p3)))
+        s_off = gl.multiple_of(blk.to(gl.int64) * stride_sb + (keys % PAGE) * stride_sp + kvh * stride_sh,
+                               [1, 1, NG]) + groups
+        s_ptrs = gl.max_contiguous(gl.multiple_of(s_off, [1, 1, NG]), [1, 1, NG])  # strides are multiples of NG
+        async_copy.async_copy_global_to_shared(ks_bufs.index(slot), k_scale_ptr + s_ptrs, mask=s_live)
+        async_copy.async_copy_global_to_shared(vs_bufs.index(slot), v_scale_ptr + s_ptrs, mask=s_live)
+        async_copy.mbarrier_arrive(bar)  # keys past the end get scale 0 (masked copies write zeros)
+        mbarrier.expect(bar, nbytes)
+        _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p0, 0, kvh, HKV, D)
+        _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p1, 1, kvh, HKV, D)
+        _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p2, 2, kvh, HKV, D)
+        _copy_page(k_desc, v_desc, k_bufs, v_bufs, slot, bar, p3, 3, kvh, HKV, D)
+        p0, p1, p2, p3 = n0, n1, n2, n3
+        it += 1
+    return it
+
+
+@gluon.jit
+def _tile_pages(bt_row, tile_start, end, PAGE: gl.constexpr, CACHE: gl.constexpr):
+    """The block-table entries of a tile's CONSUMERS (4) pages; 0 for pages past the end (copied, unused).
+    CACHE: as in _work_item."""
     gl.static_assert(CONSUMERS == 4)
     first = tile_start // PAGE
-    return (gl.load(bt_row + first, mask=tile_start < end, other=0),
-            gl.load(bt_row + first + 1, mask=tile_start + PAGE < end, other=0),
-            gl.load(bt_row + first + 2, mask=tile_start + 2 * PAGE < end, other=0),
-            gl.load(bt_row + first + 3, mask=tile_start + 3 * PAGE < end, other=0))
+    return (gl.load(bt_row + first, mask=tile_start < end, other=0, cache_modifier=CACHE),
+            gl.load(bt_row + first + 1, mask=tile_start + PAGE < end, other=0, cache_modifier=CACHE),
+            gl.load(bt_row + first + 2, mask=tile_start + 2 * PAGE < end, other=0, cache_modifier=CACHE),
+            gl.load(bt_row + first + 3, mask=tile_start + 3 * PAGE < end, other=0, cache_modifier=CACHE))
 
 
 @gluon.jit
@@ -291,17 +326,29 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, 
               part_lse_ptr, count_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits, stride_qb, stride_qh,
               stride_ob, stride_oh, QPK: gl.constexpr, QPK_PAD: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
               NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MERGE: gl.constexpr, KW: gl.constexpr,
-              PDL: gl.constexpr, WARP_RELEASE: gl.constexpr):
+              PDL: gl.constexpr, WARP_RELEASE: gl.constexpr, EARLY_INDICES: gl.constexpr):
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
     (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
-    _wait_for_previous_kernel(PDL)
     it = 0
     total = HKV * batch * num_splits
-    for pos in range(gl.program_id(0), total, gl.num_programs(0)):
+    pos0 = gl.program_id(0)
+    if EARLY_INDICES:  # the first item before the wait (only q, which kv_write writes, must come after it)
+        kvh, b, split, start, end, live_splits = _work_item(_snake_item(pos0, total, gl.num_programs(0)), order_ptr,
+                                                            seq_lens_ptr, batch, num_splits, HKV, TILE, ".cg")
+        _wait_for_previous_kernel(PDL)
+        if pos0 < total:
+            it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
+                               part_out_ptr, part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end,
+                               live_splits, it, num_splits, stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD,
+                               HQ, HKV, NG, STAGES, SPLIT, MERGE, KW, WARP_RELEASE)
+        pos0 += gl.num_programs(0)
+    else:
+        _wait_for_previous_kernel(PDL)
+    for pos in range(pos0, total, gl.num_programs(0)):
         item = _snake_item(pos, total, gl.num_programs(0))
         kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV,
-                                                            TILE)
+                                                            TILE, "")
         it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
                            part_out_ptr, part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it,
                            num_splits, stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES,
@@ -492,7 +539,8 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_d
                       stride_sb, stride_sp, stride_sh, stride_bt, QPK: gl.constexpr, QPK_PAD: gl.constexpr,
                       HQ: gl.constexpr, HKV: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                       MERGE: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr, TRIGGER: gl.constexpr,
-                      PREFETCH_TILES: gl.constexpr, WARP_RELEASE: gl.constexpr):
+                      PREFETCH_TILES: gl.constexpr, WARP_RELEASE: gl.constexpr,
+                      EARLY_INDICES: gl.constexpr):
     PAGE: gl.constexpr = k_desc.block_type.shape[1]
     D: gl.constexpr = k_desc.block_type.shape[2]
     # [slot, consumer, ...]; a layout describes one slot
@@ -510,11 +558,11 @@ def _decode_ws_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, k_d
         (_consumer, (q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
                      part_out_ptr, part_lse_ptr, count_ptr, seq_lens_ptr, order_ptr, qk_scale, batch, num_splits,
                      stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES, SPLIT, MERGE, KW,
-                     PDL, WARP_RELEASE)),
+                     PDL, WARP_RELEASE, EARLY_INDICES)),
         (_producer, (k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
                      order_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, batch, num_splits, num_blocks,
                      bt_width, stride_sb, stride_sp, stride_sh, stride_bt, HKV, NG, STAGES, PDL, TRIGGER,
-                     PREFETCH_TILES)),
+                     PREFETCH_TILES, EARLY_INDICES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -592,6 +640,14 @@ PREFETCH_TILES = 1
 # bandwidth: batch >= 32 and 16 x >= 8k 80-90 -> 90-103; 16 x 2k, 8 x 8k and 1 x 32k within 3 points, 4 x 2k 1
 # point slower. Outputs equal bit for bit (a GPU test). Not measured on an H100.
 WARP_RELEASE = True
+# Where the indices are settled (decode_attention._work_order: the call before took the same seq_lens and block
+# tables, so everything that wrote them, and the order, has completed before the kernel just before us started), both
+# partitions load their first work item's indices, from L2, before the PDL wait, and the producer issues the item's
+# first copies right after it: three dependent loads (order, length, page numbers) fewer between the wait and the
+# first bytes. H200, same process, off / on / on / off (attention.md, forty-fourth session), us a call: 16 x 2k
+# 23.87 -> 23.07, 4 x 2k 11.06 -> 10.11, 1 x 32k 25.28 -> 24.22, 8 x 8k 40.98 -> 40.11; shapes of two rounds or more
+# within their spread. A step's first layer (the order just built) waits first, as before.
+EARLY_INDICES = True
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
 
@@ -634,8 +690,10 @@ def _grid_size(items, sms):
 
 
 def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_scale, out, part_out, part_lse,
-              splits, group, order, counters=None):
+              splits, group, order, counters=None, early=False):
     """order: the sequences' indices in work order (decode_attention._work_order).
+    early: the order, seq_lens and block_tables were written before the kernel just before this one started
+    (decode_attention._work_order's settled), so the kernel may read them before its PDL wait (EARLY_INDICES).
     counters: with splits > 1, a zeroed int32 buffer of >= batch x kv heads (kernels/scratch.py) for the merge
     inside the kernel; None leaves the partials in part_out / part_lse for the merge kernel."""
     nblk, page, hkv, d = k_cache.shape
@@ -661,6 +719,6 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         stride_bt=block_tables.stride(0),
         QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1,
         MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl, TRIGGER=chain_enabled(q.device),
-        PREFETCH_TILES=PREFETCH_TILES, WARP_RELEASE=WARP_RELEASE,
+        PREFETCH_TILES=PREFETCH_TILES, WARP_RELEASE=WARP_RELEASE, EARLY_INDICES=EARLY_INDICES and early and pdl,
     ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out

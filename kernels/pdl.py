@@ -21,7 +21,8 @@ kernel (decode_attention_hopper.py) is launched with PDL and waits before any re
 + decode per layer, H100: 0.6-1.0 us faster, bit-identical (docs/benchmarks/attention.md, fifteenth session; 0.6-2.1
 us while the kernel still used its work order before waiting, but at a step's first layer the order's own kernel
 runs just before, so it waits first; since the nineteenth session it reads the order before the wait only as a
-hint for its L2 prefetch, below).
+hint for its L2 prefetch, below; since the forty-fourth, at the layers after a step's first, whose indices are
+older than the kernel before it, for real: decode_attention_hopper.EARLY_INDICES).
 
 The chain: a decode layer is rmsnorm_quant, qkv GEMM, kv_write, decode attention, quant_per_token, o GEMM,
 rmsnorm_quant, gate_up GEMM, silu_mul_quant, down GEMM, all ours. So the other half of each hand-over is covered
@@ -39,8 +40,10 @@ EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelft
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
 
 What a kernel may do before its wait: no writes; reads of data that nothing writes while the chain runs (a GEMM's
-weights, written when a model loads); and reads of what the previous kernel may still be writing only as hints,
-whose value may be stale without harm. An L2 prefetch (`prefetch_l2`) is such a hint, correct
+weights, written when a model loads), or that was last written before an earlier kernel that allows its
+dependents only after its own wait (nothing after that kernel starts before its wait has returned, so those writes
+are complete: the Gluon decode's settled indices); and reads of what the previous kernel may still be writing only
+as hints, whose value may be stale without harm. An L2 prefetch (`prefetch_l2`) is such a hint, correct
 whatever the line holds. So in the chain the PDL-launched Triton GEMMs pull the first lines of each of their
 weight rows into L2 before waiting (int8_gemm.PREFETCH_LINES), and the Gluon decode kernel its first tile of
 pages (decode_attention_hopper.PREFETCH_TILES), computing their addresses from indices (the work order, a

@@ -90,7 +90,7 @@ def test_gpu_engine_decode_gluon_matches_triton(monkeypatch):
 
     calls = []
     launch = H.launch_ws
-    monkeypatch.setattr(H, "launch_ws", lambda *a: calls.append(a[0].shape[0]) or launch(*a))
+    monkeypatch.setattr(H, "launch_ws", lambda *a, **kw: calls.append(a[0].shape[0]) or launch(*a, **kw))
     opts = dict(load_format="dummy", gpu_memory_utilization=0.3, kv_cache_dtype="int8")
     prompts = [_prompt(i, 40 + 37 * i) for i in range(32)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)

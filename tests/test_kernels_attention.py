@@ -453,14 +453,17 @@ def test_decode_ws_dispatch_merges_in_the_kernel(monkeypatch, max_splits):
     monkeypatch.setattr(dmod, "_ws_ok", lambda *a: True)
     monkeypatch.setattr(dmod, "_counters", {})
     launches, merges = [], []
-    monkeypatch.setattr(H, "launch_ws", lambda *a: launches.append(a))
+    monkeypatch.setattr(H, "launch_ws", lambda *a, early: launches.append((*a, early)))
     monkeypatch.setattr(dmod, "_reduce", lambda po, pl, out, splits: merges.append(splits) or out)
+    monkeypatch.setattr(dmod, "_last_order", [None])
     sc = Scenario([(40, 1), (3, 1), (90, 1)], 8, 2, 64, torch.int8, 32, seed=5)
     q = torch.randn(3, 8, 64, dtype=torch.float16)
     for splits in (n, 1):
         decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.125, splits)
-    fused, single = launches[0][-1], launches[1][-1]
+    (*_, fused, early_first), (*_, single, early_second) = launches
     assert single is None
+    # the second call takes the same indices as the first: settled (the kernel may read them before its wait)
+    assert not early_first and early_second
     if in_kernel:
         assert merges == [1] and fused is dmod._counters[("cpu", None)]
         assert fused.dtype == torch.int32 and fused.numel() >= 3 * 2 and int(fused.count_nonzero()) == 0
@@ -470,19 +473,29 @@ def test_decode_ws_dispatch_merges_in_the_kernel(monkeypatch, max_splits):
 
 def test_decode_work_order_longest_first_and_memo(monkeypatch):
     """The Gluon kernel's sequence order: indices by descending length (ties in batch order), built once per
-    seq_lens tensor and rebuilt after an in-place change or a flag change."""
+    seq_lens tensor and rebuilt after an in-place change or a flag change. Settled (the kernel may read the
+    indices before its PDL wait) only when the call before took the same seq_lens and block tables, unchanged."""
     from eightbit.kernels import attention_configs as C
 
     monkeypatch.setattr(dmod, "_last_order", [None])
+    monkeypatch.setattr(dmod, "_last_tables", [None])
     seq_lens = torch.tensor([5, 0, 300, 17, 300, 1], dtype=torch.int32)
-    order = dmod._work_order(seq_lens)
-    assert order.dtype == torch.int32 and order.tolist() == [2, 4, 3, 0, 5, 1]
-    assert dmod._work_order(seq_lens) is order  # memo: one build per step, not per layer
+    tables = torch.zeros(6, 19, dtype=torch.int32)
+    order, settled = dmod._work_order(seq_lens, tables)
+    assert order.dtype == torch.int32 and order.tolist() == [2, 4, 3, 0, 5, 1] and not settled
+    assert dmod._work_order(seq_lens, tables) == (order, True)  # memo: one build per step, not per layer
+    assert dmod._work_order(seq_lens, tables.clone()) == (order, False)  # other tables: written just before?
+    assert dmod._work_order(seq_lens, tables)[1] is False  # ... and back: not the previous call's
+    assert dmod._work_order(seq_lens, tables)[1] is True
+    tables[0, 3] = 7  # written in place since the previous call
+    assert dmod._work_order(seq_lens, tables) == (order, False)
     seq_lens[1] = 1000
-    assert dmod._work_order(seq_lens).tolist() == [1, 2, 4, 3, 0, 5]
-    assert dmod._work_order(seq_lens.clone()).tolist() == [1, 2, 4, 3, 0, 5]
+    order, settled = dmod._work_order(seq_lens, tables)
+    assert order.tolist() == [1, 2, 4, 3, 0, 5] and not settled
+    assert dmod._work_order(seq_lens.clone(), tables)[0].tolist() == [1, 2, 4, 3, 0, 5]
     monkeypatch.setattr(C, "DECODE_LONGEST_FIRST", False)
-    assert dmod._work_order(seq_lens).tolist() == list(range(6))
+    order, settled = dmod._work_order(seq_lens, tables)
+    assert order.tolist() == list(range(6)) and not settled
 
 
 def test_decode_split_counts():
@@ -954,7 +967,7 @@ def test_gpu_decode_ws_merge_reads_only_splits_with_keys():
     out = torch.empty_like(q)
     counters = torch.zeros(len(seqs) * hkv, dtype=torch.int32, device="cuda")
     H.launch_ws(q, *sc.caches, sc.block_tables, sc.seq_lens, d ** -0.5 * dmod.LOG2E, out, part_out, part_lse, splits,
-                32, dmod._work_order(sc.seq_lens), counters)
+                32, dmod._work_order(sc.seq_lens, sc.block_tables)[0], counters)
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
     tile = H.CONSUMERS.value * 16  # a split's keys are whole tiles of CONSUMERS pages
@@ -1000,6 +1013,52 @@ def test_gpu_decode_ws_warp_release_matches_gluon_waits(monkeypatch, splits, sma
         fallback = decode_attention_splits(*args, splits)
     assert all([names[i] for i, _ in fixed] == ["WARP_RELEASE"] for _, fixed in H._launch_kernel.compiled.values())
     torch.testing.assert_close(fallback, per_warp, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("splits,small_grid", [(None, False), (19, False), (5, True), (1, True)])
+def test_gpu_decode_ws_early_indices_same_bits(monkeypatch, splits, small_grid):
+    """A call whose indices are settled (the call before took the same seq_lens and block tables) loads its first
+    work item's indices before the PDL wait (EARLY_INDICES): the same outputs bit for bit as the call before it,
+    which was not settled, with a persistent grid too (7 SMs: the first item is taken before the loop, the rest
+    in it). New block tables, or a changed length, make the next call unsettled again, and it sees them."""
+    from eightbit.kernels import attention_configs as C
+    from eightbit.kernels import decode_attention_hopper as H
+    from eightbit.kernels import pdl
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon decode kernel is sm_90 only")
+    assert H.EARLY_INDICES and pdl.pdl_enabled(torch.device("cuda"))
+    if small_grid:
+        monkeypatch.setattr(H, "sm_count", lambda device: 7)
+    monkeypatch.setattr(C, "DECODE_WS_MIN_PROGRAMS", 0)
+    monkeypatch.setattr(dmod, "_last_order", [None])
+    monkeypatch.setattr(dmod, "_last_tables", [None])
+    settled = []
+    real = H.launch_ws
+    monkeypatch.setattr(H, "launch_ws", lambda *a, early: settled.append(early) or real(*a, early=early))
+    seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1), (4864, 1)]
+    sc = Scenario(seqs, 32, 8, 128, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=7)
+    q = torch.randn(len(seqs), 32, 128, device="cuda", dtype=torch.bfloat16)
+    first = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5, splits)
+    second = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5, splits)
+    assert settled == [False, True]
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    _check_fa_rule(second, q, sc, 128 ** -0.5)
+    # the same tables, rows swapped into a new tensor: unsettled, and the outputs follow the new tables
+    perm = torch.tensor([8, 7, 6, 5, 4, 3, 2, 1, 0], device="cuda")
+    swapped = decode_attention_splits(q[perm], *sc.caches, sc.block_tables[perm], sc.seq_lens[perm], 128 ** -0.5,
+                                      splits)
+    assert settled[-1] is False
+    torch.testing.assert_close(swapped, first[perm], rtol=0, atol=0)
+    sc.seq_lens[1] = 4000  # in place: the version moves, so the next call is not settled
+    shorter = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5, splits)
+    assert settled[-1] is False
+    again = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5, splits)
+    assert settled[-1] is True
+    torch.testing.assert_close(again, shorter, rtol=0, atol=0)
+    torch.testing.assert_close(again[2:], first[2:], rtol=0, atol=0)
+    assert not torch.equal(again[1], first[1])
 
 
 def _gpu_int8_caches(g, blocks, page, hkv, d):

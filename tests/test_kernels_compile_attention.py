@@ -166,11 +166,13 @@ WS_SCRIPT = textwrap.dedent(
         end = re.search(r"bra(?:\.uni)?\s+" + re.escape(label) + ";", ptx[i:])
         return ptx[ptx.rfind(label + ":", 0, i):i + end.end()] if end else ""
 
-    # (split, merge, head_dim, query heads per kv head, the PDL chain, WARP_RELEASE)
-    cases = [(False, False, 128, 4, True, True), (True, False, 128, 4, True, True), (True, True, 128, 4, True, True),
-             (True, True, 64, 4, True, True), (True, True, 256, 2, True, True), (True, True, 128, 4, False, True),
-             (True, True, 128, 4, True, False)]
-    for split, merge, d, qpk, chain, warp_release in cases:
+    # (split, merge, head_dim, query heads per kv head, the PDL chain, WARP_RELEASE, EARLY_INDICES)
+    cases = [(False, False, 128, 4, True, True, False), (True, False, 128, 4, True, True, False),
+             (True, True, 128, 4, True, True, False), (True, True, 64, 4, True, True, False),
+             (True, True, 256, 2, True, True, False), (True, True, 128, 4, False, True, False),
+             (True, True, 128, 4, True, False, False), (True, True, 128, 4, True, True, True),
+             (False, False, 64, 4, True, True, True)]
+    for split, merge, d, qpk, chain, warp_release, early in cases:
         ng = d // 32
         sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                "count_ptr": "*i32",
@@ -183,7 +185,8 @@ WS_SCRIPT = textwrap.dedent(
                "qk_scale": "fp32"}
         sig.update({a: "i32" for a in fn.arg_names if a not in sig})
         consts = dict(QPK=qpk, QPK_PAD=16 // ng, HQ=8 * qpk, HKV=8, NG=ng, STAGES=H.STAGES, SPLIT=split, MERGE=merge,
-                      KW=H.KW, PDL=True, TRIGGER=chain, PREFETCH_TILES=1, WARP_RELEASE=warp_release)
+                      KW=H.KW, PDL=True, TRIGGER=chain, PREFETCH_TILES=1, WARP_RELEASE=warp_release,
+                      EARLY_INDICES=early)
         sig.update({n: "constexpr" for n in consts})
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in ("q_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr",
@@ -192,7 +195,8 @@ WS_SCRIPT = textwrap.dedent(
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": H.MAXNREG})
         ptx = k.asm["ptx"]
         loop = _tile_loop(ptx)
-        results.append(dict(split=split, merge=merge, d=d, chain=chain, warp_release=warp_release, stages=H.STAGES,
+        results.append(dict(split=split, merge=merge, d=d, chain=chain, warp_release=warp_release, early=early,
+                            stages=H.STAGES,
                             offsets=H.ring_barrier_offsets(ptx), loop_len=len(loop),
                             loop_release="@lead mbarrier.arrive" in loop,
                             loop_bar_syncs=loop.count("bar.sync"), atomics=ptx.count("atom.global"),
@@ -216,7 +220,8 @@ def test_decode_ws_kernel_compiles_for_sm90():
     PDL chain: float16 tensor-core mma, TMA page copies, cp.async scale copies that arrive on the ring's barrier,
     warp specialization, int8 operands read as 32-bit words (not bytes), shared memory for two programs per
     multiprocessor, in the chain the L2 prefetch before the wait, and with WARP_RELEASE a math warp's tile loop
-    without a barrier across the warps, its ring barriers' offsets readable from the PTX (the launch needs them)."""
+    without a barrier across the warps, its ring barriers' offsets readable from the PTX (the launch needs them).
+    With EARLY_INDICES the producer also loads its first work item's indices before the wait, from L2."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", WS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -246,6 +251,8 @@ def test_decode_ws_kernel_compiles_for_sm90():
         before_wait = start[:start.index("griddepcontrol.wait")]
         assert "prefetch.global.L2" in before_wait and "prefetch.global.L2" not in start[len(before_wait):], r
         assert set(before_wait) == {"ld.global.cg", "prefetch.global.L2"}, r
+        # EARLY_INDICES: the first item's order, length and four page numbers too, from L2, before the wait
+        assert before_wait.count("ld.global.cg") == 4 + 6 * r["early"], r
 
 
 WS_PREFILL_SCRIPT = textwrap.dedent(
