@@ -276,31 +276,33 @@ def decode_case(batch, ctx, d=128, kinds=("int8", "bf16"), contiguous=True, sdpa
     nb_seq = ctx // PAGE
     per_copy_bf16 = batch * ctx * kv_bytes_per_token(d, "bf16")
     copies = rotated_copies(per_copy_bf16)
-    nblk = copies * batch * nb_seq
-    perm = torch.randperm(nblk, device="cuda", dtype=torch.int32).view(copies, batch, nb_seq)
-    ident = torch.arange(nblk, device="cuda", dtype=torch.int32).view(copies, batch, nb_seq)
-    tables = {"paged": [perm[c].contiguous() for c in range(copies)],
-              "contig": [ident[c].contiguous() for c in range(copies)]}
+    # one block table and one seq_lens for every call, a cache per call, as a step's layers run: the int8 kernel
+    # loads its first indices before its PDL wait when the call before took the same ones (decode_attention.
+    # _work_order); up to the forty-third session each call had its own table into one large cache
+    nblk = batch * nb_seq
+    tables = {"paged": torch.randperm(nblk, device="cuda", dtype=torch.int32).view(batch, nb_seq),
+              "contig": torch.arange(nblk, device="cuda", dtype=torch.int32).view(batch, nb_seq)}
     if width is not None and width > nb_seq:  # pad the tables to the engine's width (unused columns)
         pad = torch.zeros(batch, width - nb_seq, device="cuda", dtype=torch.int32)
-        tables = {k: [torch.cat([t, pad], 1) for t in v] for k, v in tables.items()}
+        tables = {k: torch.cat([t, pad], 1) for k, t in tables.items()}
     sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, HQ, d, device="cuda", dtype=torch.bfloat16)
-    row = dict(batch=batch, ctx=ctx, copies=copies, width=tables["paged"][0].shape[1])
+    row = dict(batch=batch, ctx=ctx, copies=copies, width=tables["paged"].shape[1])
     for kind in kinds:
-        caches = make_cache(nblk, d, kind)
+        caches = [make_cache(nblk, d, kind) for _ in range(copies)]
         nbytes = batch * ctx * kv_bytes_per_token(d, kind) + batch * nb_seq * 4 + 2 * q.numel() * 2
         row[f"{kind}_bytes"] = nbytes
-        row[f"{kind}_splits"] = num_splits_for(q, *caches, tables["paged"][0], sl)  # per kernel
+        row[f"{kind}_splits"] = num_splits_for(q, *caches[0], tables["paged"], sl)  # per kernel
         for layout in ("paged", "contig") if contiguous else ("paged",):
+            table = tables[layout]
             for name, fn in impls.items():
                 # before timing: the first sequences' outputs against the plain-torch reference (float32)
                 few = min(batch, 2)
-                out = fn(q, *caches, tables[layout][0], sl, d ** -0.5)[:few]
-                ref = R.decode_attention(q[:few], *caches, tables[layout][0][:few], sl[:few], d ** -0.5)
+                out = fn(q, *caches[0], table, sl, d ** -0.5)[:few]
+                ref = R.decode_attention(q[:few], *caches[0], table[:few], sl[:few], d ** -0.5)
                 check_close(f"{name} decode {kind} {layout} {batch} x {ctx}", out, ref)
                 del out, ref
-                fns = [lambda t=t, fn=fn: fn(q, *caches, t, sl, d ** -0.5) for t in tables[layout]]
+                fns = [lambda c=c, t=table, fn=fn: fn(q, *c, t, sl, d ** -0.5) for c in caches]
                 ms = time_graph(fns)
                 row[f"{name}_{kind}_{layout}_ms"] = ms
                 row[f"{name}_{kind}_{layout}_GBs"] = nbytes / ms / 1e6
