@@ -645,8 +645,11 @@ WARP_RELEASE = True
 # partitions load their first work item's indices, from L2, before the PDL wait, and the producer issues the item's
 # first copies right after it: three dependent loads (order, length, page numbers) fewer between the wait and the
 # first bytes. H200, same process, off / on / on / off (attention.md, forty-fourth session), us a call: 16 x 2k
-# 23.87 -> 23.07, 4 x 2k 11.06 -> 10.11, 1 x 32k 25.28 -> 24.22, 8 x 8k 40.98 -> 40.11; shapes of two rounds or more
-# within their spread. A step's first layer (the order just built) waits first, as before.
+# 23.54 -> 22.82, 4 x 2k 10.94 -> 10.06, 1 x 32k 25.02 -> 23.92, 8 x 8k 41.31 -> 40.00; shapes of two rounds or more
+# within their spread; the 8B engine's decode +1.0 % at batch 4, +0.7 % at 16 (2k prompts). A step's first layer
+# (the order just built) waits first, as before. Not for a persistent grid, whose programs walk several items and
+# gain on the first alone: at 256 x 2k the kernel with it read 1.3 % slower on the mean of four runs each, within
+# that shape's spread but not taken.
 EARLY_INDICES = True
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
@@ -719,6 +722,7 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         stride_bt=block_tables.stride(0),
         QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1,
         MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl, TRIGGER=chain_enabled(q.device),
-        PREFETCH_TILES=PREFETCH_TILES, WARP_RELEASE=WARP_RELEASE, EARLY_INDICES=EARLY_INDICES and early and pdl,
+        PREFETCH_TILES=PREFETCH_TILES, WARP_RELEASE=WARP_RELEASE,
+        EARLY_INDICES=EARLY_INDICES and early and pdl and grid == items,
     ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out

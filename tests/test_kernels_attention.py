@@ -1020,8 +1020,8 @@ def test_gpu_decode_ws_warp_release_matches_gluon_waits(monkeypatch, splits, sma
 def test_gpu_decode_ws_early_indices_same_bits(monkeypatch, splits, small_grid):
     """A call whose indices are settled (the call before took the same seq_lens and block tables) loads its first
     work item's indices before the PDL wait (EARLY_INDICES): the same outputs bit for bit as the call before it,
-    which was not settled, with a persistent grid too (7 SMs: the first item is taken before the loop, the rest
-    in it). New block tables, or a changed length, make the next call unsettled again, and it sees them."""
+    which was not settled. A persistent grid (7 SMs, or 19 splits) runs without it, settled or not. New block
+    tables, or a changed length, make the next call unsettled again, and it sees them."""
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels import decode_attention_hopper as H
     from eightbit.kernels import pdl
@@ -1036,13 +1036,22 @@ def test_gpu_decode_ws_early_indices_same_bits(monkeypatch, splits, small_grid):
     monkeypatch.setattr(dmod, "_last_tables", [None])
     settled = []
     real = H.launch_ws
-    monkeypatch.setattr(H, "launch_ws", lambda *a, early: settled.append(early) or real(*a, early=early))
+    splits_run = []
+    monkeypatch.setattr(H, "launch_ws", lambda *a, early: settled.append(early) or splits_run.append(a[11])
+                        or real(*a, early=early))
+    compiled_early = []
+    launch = H._launch_kernel
+    monkeypatch.setattr(H, "_launch_kernel", lambda grid, args, **kw: compiled_early.append(args["EARLY_INDICES"])
+                        or launch(grid, args, **kw))
     seqs = [(1, 1), (5000, 1), (333, 1), (17, 1), (2048, 1), (64, 1), (65, 1), (700, 1), (4864, 1)]
     sc = Scenario(seqs, 32, 8, 128, torch.int8, 32, share_prefix_blocks=2, device="cuda", seed=7)
     q = torch.randn(len(seqs), 32, 128, device="cuda", dtype=torch.bfloat16)
     first = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5, splits)
     second = decode_attention_splits(q, *sc.caches, sc.block_tables, sc.seq_lens, 128 ** -0.5, splits)
-    assert settled == [False, True]
+    items = 9 * 8 * splits_run[0]
+    one_round = H._grid_size(items, H.sm_count(q.device)) == items  # else a persistent grid: never early
+    assert settled == [False, True] and compiled_early == [False, one_round]
+    assert one_round == (not small_grid and splits != 19)
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     _check_fa_rule(second, q, sc, 128 ** -0.5)
     # the same tables, rows swapped into a new tensor: unsettled, and the outputs follow the new tables
