@@ -296,17 +296,23 @@ def _work_order(seq_lens, block_tables):
     batch, and every work item is computed alone. (Its lengths beside it would save the kernel one dependent
     load, 0.1-0.5 us a call (attention.md, sixteenth session), but a stale copy of them would be wrong results.)
 
-    Returns (order, settled). settled: the previous call took these same seq_lens and block_tables, unchanged
-    (per_step's contract), and the order was built then. Then that call's kernel ran after everything that wrote
-    them, and the Gluon kernel may read them, and the order, before its PDL wait (decode_attention_hopper.
-    EARLY_INDICES): a kernel after it on the stream starts only once it has waited (pdl.py). At a step's first
-    layer the order's own kernel runs just before, so that call waits first."""
+    Returns (order, settled). settled: the previous call, on the same stream, took these same seq_lens and
+    block_tables, unchanged (per_step's contract), and the order was built then. Then that call's kernel ran after
+    everything that wrote them, and the Gluon kernel may read them, and the order, before its PDL wait
+    (decode_attention_hopper.EARLY_INDICES): a kernel after it on the stream starts only once it has waited
+    (pdl.py). At a step's first layer the order's own kernel runs just before, so that call waits first."""
     longest_first = attention_configs.DECODE_LONGEST_FIRST
     built = []  # per_step calls build() only on a miss
     order = per_step(_last_order, seq_lens, (longest_first,),
                      lambda: built.append(1) or _order(seq_lens, longest_first))
-    per_step(_last_tables, block_tables, (), lambda: built.append(1))
+    per_step(_last_tables, block_tables, (_stream_of(block_tables),), lambda: built.append(1))
     return order, not built
+
+
+def _stream_of(t):
+    """The stream a CUDA tensor's kernels are launched on now (None on the CPU): only stream order makes the
+    previous call's kernel run before this one."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
 def _order(seq_lens, longest_first):

@@ -474,7 +474,8 @@ def test_decode_ws_dispatch_merges_in_the_kernel(monkeypatch, max_splits):
 def test_decode_work_order_longest_first_and_memo(monkeypatch):
     """The Gluon kernel's sequence order: indices by descending length (ties in batch order), built once per
     seq_lens tensor and rebuilt after an in-place change or a flag change. Settled (the kernel may read the
-    indices before its PDL wait) only when the call before took the same seq_lens and block tables, unchanged."""
+    indices before its PDL wait) only when the call before, on the same stream, took the same seq_lens and block
+    tables, unchanged."""
     from eightbit.kernels import attention_configs as C
 
     monkeypatch.setattr(dmod, "_last_order", [None])
@@ -489,6 +490,9 @@ def test_decode_work_order_longest_first_and_memo(monkeypatch):
     assert dmod._work_order(seq_lens, tables)[1] is True
     tables[0, 3] = 7  # written in place since the previous call
     assert dmod._work_order(seq_lens, tables) == (order, False)
+    monkeypatch.setattr(dmod, "_stream_of", lambda t: 12345)  # the same tensors, launched on another stream
+    assert dmod._work_order(seq_lens, tables) == (order, False)
+    assert dmod._work_order(seq_lens, tables) == (order, True)
     seq_lens[1] = 1000
     order, settled = dmod._work_order(seq_lens, tables)
     assert order.tolist() == [1, 2, 4, 3, 0, 5] and not settled
