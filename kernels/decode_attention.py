@@ -300,7 +300,9 @@ def _work_order(seq_lens, block_tables):
     block_tables, unchanged (per_step's contract), and the order was built then. Then that call's kernel ran after
     everything that wrote them, and the Gluon kernel may read them, and the order, before its PDL wait
     (decode_attention_hopper.EARLY_INDICES): a kernel after it on the stream starts only once it has waited
-    (pdl.py). At a step's first layer the order's own kernel runs just before, so that call waits first."""
+    (pdl.py). At a step's first layer the order's own kernel runs just before, so that call waits first. Under
+    CUDA-graph capture the flag is taken in capture order and kept by the graph; a replay runs the same kernels in
+    the same order, after the copies that refresh its buffers, which complete before its first kernel starts."""
     longest_first = attention_configs.DECODE_LONGEST_FIRST
     built = []  # per_step calls build() only on a miss
     order = per_step(_last_order, seq_lens, (longest_first,),

@@ -43,9 +43,10 @@ On sm_90 the kernel is launched with programmatic dependent launch (kernels/pdl.
 scheduled and set up (barriers, descriptors) while kv_write, which allows it, still runs; both partitions wait
 for it before any read whose value matters. In the chain (pdl.CHAIN) the producer first pulls its program's
 first tile of pages into L2 (_prefetch_first_tiles: hints only, from indices that may be stale), so the first
-copies after the wait come from L2. Where the work order, lengths and block tables are older than the kernel just
-before us (every layer of a step after the first), both partitions load their first work item's indices before
-the wait too (EARLY_INDICES), so the producer's first copies start as soon as it returns. Once a program's
+copies after the wait come from L2. Where the work order, lengths and block tables were complete before the kernel
+just before us started (every layer of a step after the first), and each program has one work item (no persistent
+grid), both partitions load their first work item's indices before the wait too (EARLY_INDICES), so the producer's
+first copies start as soon as it returns. Once a program's
 producer has issued its last copy it allows the kernel after us (quant_per_token, which waits for our output) to
 be scheduled.
 
@@ -126,7 +127,7 @@ def _wait_for_previous_kernel(PDL: gl.constexpr):
     visible (the primitive pdl.wait_for_previous_kernel uses). Both partitions call it before any read whose
     value matters: the kernel just before us may be kv_write (q, the cache) or, at a step's first layer, the one
     that wrote the work order (decode_attention._work_order). Before it come only the producer's prefetch hints
-    and, with EARLY_INDICES, the first work item's indices, which were written before that kernel started."""
+    and, with EARLY_INDICES, the first work item's indices, whose writes completed before that kernel started."""
     if PDL:
         gdc_wait()
 
@@ -249,7 +250,7 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
             it = _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready,
                                empty, it, kvh, bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key,
                                stride_sb, stride_sp, stride_sh, HKV, NG, STAGES, D, PAGE, nbytes)
-        pos0 += gl.num_programs(0)
+        pos0 += gl.num_programs(0)  # launch_ws takes EARLY_INDICES with one item a program: the loop is then empty
     else:
         _wait_for_previous_kernel(PDL)
     for pos in range(pos0, total, gl.num_programs(0)):
@@ -695,8 +696,9 @@ def _grid_size(items, sms):
 def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_scale, out, part_out, part_lse,
               splits, group, order, counters=None, early=False):
     """order: the sequences' indices in work order (decode_attention._work_order).
-    early: the order, seq_lens and block_tables were written before the kernel just before this one started
-    (decode_attention._work_order's settled), so the kernel may read them before its PDL wait (EARLY_INDICES).
+    early: the writes of the order, seq_lens and block_tables completed before the kernel just before this one
+    started (decode_attention._work_order's settled), so the kernel may read them before its PDL wait
+    (EARLY_INDICES; taken only with one program per work item).
     counters: with splits > 1, a zeroed int32 buffer of >= batch x kv heads (kernels/scratch.py) for the merge
     inside the kernel; None leaves the partials in part_out / part_lse for the merge kernel."""
     nblk, page, hkv, d = k_cache.shape

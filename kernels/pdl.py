@@ -40,10 +40,10 @@ EIGHTBIT_PDL_CHAIN=0 (read at import), or setting CHAIN, goes back to the twelft
 producer-to-GEMM and kv_write-to-decode hand-overs only, table marks ignored.
 
 What a kernel may do before its wait: no writes; reads of data that nothing writes while the chain runs (a GEMM's
-weights, written when a model loads), or that was last written before an earlier kernel that allows its
-dependents only after its own wait (nothing after that kernel starts before its wait has returned, so those writes
-are complete: the Gluon decode's settled indices); and reads of what the previous kernel may still be writing only
-as hints, whose value may be stale without harm. An L2 prefetch (`prefetch_l2`) is such a hint, correct
+weights, written when a model loads), or that was last written before an earlier kernel on the same stream that
+allows its dependents only after its own wait (nothing after that kernel starts before its wait has returned, so
+those writes are complete: the Gluon decode's settled indices); and reads of what the previous kernel may still be
+writing only as hints, whose value may be stale without harm. An L2 prefetch (`prefetch_l2`) is such a hint, correct
 whatever the line holds. So in the chain the PDL-launched Triton GEMMs pull the first lines of each of their
 weight rows into L2 before waiting (int8_gemm.PREFETCH_LINES), and the Gluon decode kernel its first tile of
 pages (decode_attention_hopper.PREFETCH_TILES), computing their addresses from indices (the work order, a

@@ -155,6 +155,11 @@ WS_SCRIPT = textwrap.dedent(
         part = ptx[start:ptx.find("mbarrier.try_wait", first_prefetch)]
         return re.findall(r"ld\.global\.cg|ld\.global|prefetch\.global\.L2|griddepcontrol\.wait", part)
 
+    def _consumer_ops_until_its_wait(ptx):
+        # the math partition's global loads from its start (its register grant, the first in the PTX) to its wait
+        start = ptx.find("setmaxnreg.inc")
+        return re.findall(r"ld\.global\.cg|ld\.global", ptx[start:ptx.find("griddepcontrol.wait", start)])
+
     fn = H._decode_ws_kernel
     results = []
     def _tile_loop(ptx):
@@ -209,7 +214,8 @@ WS_SCRIPT = textwrap.dedent(
                             pdl_wait=ptx.count("griddepcontrol.wait"),
                             pdl_trigger=ptx.count("griddepcontrol.launch_dependents"),
                             prefetch=ptx.count("prefetch.global.L2"),
-                            prefetch_start=_producer_ops_until_first_mbarrier_wait(ptx)))
+                            prefetch_start=_producer_ops_until_first_mbarrier_wait(ptx),
+                            consumer_start=_consumer_ops_until_its_wait(ptx)))
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -251,8 +257,10 @@ def test_decode_ws_kernel_compiles_for_sm90():
         before_wait = start[:start.index("griddepcontrol.wait")]
         assert "prefetch.global.L2" in before_wait and "prefetch.global.L2" not in start[len(before_wait):], r
         assert set(before_wait) == {"ld.global.cg", "prefetch.global.L2"}, r
-        # EARLY_INDICES: the first item's order, length and four page numbers too, from L2, before the wait
+        # EARLY_INDICES: the first item's order, length and four page numbers too, from L2, before the wait;
+        # the math warps its order and length (and nothing before their wait without it)
         assert before_wait.count("ld.global.cg") == 4 + 6 * r["early"], r
+        assert r["consumer_start"] == ["ld.global.cg"] * 2 * r["early"], r
 
 
 WS_PREFILL_SCRIPT = textwrap.dedent(
