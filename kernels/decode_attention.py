@@ -304,11 +304,15 @@ def _work_order(seq_lens, block_tables):
     CUDA-graph capture the flag is taken in capture order and kept by the graph; a replay runs the same kernels in
     the same order, after the copies that refresh its buffers, which complete before its first kernel starts."""
     longest_first = attention_configs.DECODE_LONGEST_FIRST
-    built = []  # per_step calls build() only on a miss
-    order = per_step(_last_order, seq_lens, (longest_first,),
-                     lambda: built.append(1) or _order(seq_lens, longest_first))
-    per_step(_last_tables, block_tables, (_stream_of(block_tables),), lambda: built.append(1))
-    return order, not built
+    misses = []  # per_step calls its build function only on a miss
+
+    def build_order():
+        misses.append(seq_lens)
+        return _order(seq_lens, longest_first)
+
+    order = per_step(_last_order, seq_lens, (longest_first,), build_order)
+    per_step(_last_tables, block_tables, (_stream_of(block_tables),), lambda: misses.append(block_tables))
+    return order, not misses
 
 
 def _stream_of(t):

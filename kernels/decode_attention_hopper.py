@@ -237,32 +237,29 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
         _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
                               batch, num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
                               HKV, PAGE, D, PREFETCH_TILES)
-    it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
     total = HKV * batch * num_splits
-    pos0 = gl.program_id(0)
-    if EARLY_INDICES:  # the first item's keys and page numbers before the wait: its copies start right after it
-        kvh, b, split, start, end, _ = _work_item(_snake_item(pos0, total, gl.num_programs(0)), order_ptr,
-                                                  seq_lens_ptr, batch, num_splits, HKV, TILE, ".cg")
+    if EARLY_INDICES:  # one item a program (launch_ws): its keys and page numbers before the wait, copies right after
+        kvh, b, split, start, end, _ = _work_item(gl.program_id(0), order_ptr, seq_lens_ptr, batch, num_splits, HKV,
+                                                  TILE, ".cg")
         bt_row = block_tables_ptr + b * stride_bt
         p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE, ".cg")
         _wait_for_previous_kernel(PDL)
-        if pos0 < total:
+        _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty,
+                      gl.to_tensor(0), kvh, bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key,
+                      stride_sb, stride_sp, stride_sh, HKV, NG, STAGES, D, PAGE, nbytes)
+    else:
+        _wait_for_previous_kernel(PDL)
+        it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
+        for pos in range(gl.program_id(0), total, gl.num_programs(0)):
+            item = _snake_item(pos, total, gl.num_programs(0))
+            kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE, "")
+            bt_row = block_tables_ptr + b * stride_bt
+            # the tile's page numbers are loaded one tile ahead: their latency (a global load) stays off the
+            # path from a freed slot to its copies
+            p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE, "")
             it = _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready,
                                empty, it, kvh, bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key,
                                stride_sb, stride_sp, stride_sh, HKV, NG, STAGES, D, PAGE, nbytes)
-        pos0 += gl.num_programs(0)  # launch_ws takes EARLY_INDICES with one item a program: the loop is then empty
-    else:
-        _wait_for_previous_kernel(PDL)
-    for pos in range(pos0, total, gl.num_programs(0)):
-        item = _snake_item(pos, total, gl.num_programs(0))
-        kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE, "")
-        bt_row = block_tables_ptr + b * stride_bt
-        # the tile's page numbers are loaded one tile ahead: their latency (a global load) stays off the
-        # path from a freed slot to its copies
-        p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE, "")
-        it = _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty,
-                           it, kvh, bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key, stride_sb,
-                           stride_sp, stride_sh, HKV, NG, STAGES, D, PAGE, nbytes)
     if TRIGGER:  # every copy is issued: the kernel after us (which waits for our output) may be scheduled
         gdc_launch_dependents()
 
@@ -331,29 +328,27 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, 
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
     (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
-    it = 0
     total = HKV * batch * num_splits
-    pos0 = gl.program_id(0)
-    if EARLY_INDICES:  # the first item before the wait (only q, which kv_write writes, must come after it)
-        kvh, b, split, start, end, live_splits = _work_item(_snake_item(pos0, total, gl.num_programs(0)), order_ptr,
-                                                            seq_lens_ptr, batch, num_splits, HKV, TILE, ".cg")
+    if EARLY_INDICES:  # one item a program (launch_ws): its indices before the wait; only q, which kv_write writes,
+        # must come after it
+        kvh, b, split, start, end, live_splits = _work_item(gl.program_id(0), order_ptr, seq_lens_ptr, batch,
+                                                            num_splits, HKV, TILE, ".cg")
         _wait_for_previous_kernel(PDL)
-        if pos0 < total:
+        _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
+                      part_out_ptr, part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, live_splits,
+                      gl.to_tensor(0), num_splits, stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV,
+                      NG, STAGES, SPLIT, MERGE, KW, WARP_RELEASE)
+    else:
+        _wait_for_previous_kernel(PDL)
+        it = 0
+        for pos in range(gl.program_id(0), total, gl.num_programs(0)):
+            item = _snake_item(pos, total, gl.num_programs(0))
+            kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits,
+                                                                HKV, TILE, "")
             it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
                                part_out_ptr, part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end,
                                live_splits, it, num_splits, stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD,
                                HQ, HKV, NG, STAGES, SPLIT, MERGE, KW, WARP_RELEASE)
-        pos0 += gl.num_programs(0)
-    else:
-        _wait_for_previous_kernel(PDL)
-    for pos in range(pos0, total, gl.num_programs(0)):
-        item = _snake_item(pos, total, gl.num_programs(0))
-        kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV,
-                                                            TILE, "")
-        it = _consume_item(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, empty_off, out_ptr,
-                           part_out_ptr, part_lse_ptr, count_ptr, qk_scale, kvh, b, split, start, end, live_splits, it,
-                           num_splits, stride_qb, stride_qh, stride_ob, stride_oh, QPK, QPK_PAD, HQ, HKV, NG, STAGES,
-                           SPLIT, MERGE, KW, WARP_RELEASE)
 
 
 @gluon.jit
@@ -725,6 +720,6 @@ def launch_ws(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, qk_
         QPK=qpk, QPK_PAD=16 // ng, HQ=hq, HKV=hkv, NG=ng, STAGES=STAGES, SPLIT=splits > 1,
         MERGE=splits > 1 and counters is not None, KW=KW, PDL=pdl, TRIGGER=chain_enabled(q.device),
         PREFETCH_TILES=PREFETCH_TILES, WARP_RELEASE=WARP_RELEASE,
-        EARLY_INDICES=EARLY_INDICES and early and pdl and grid == items,
+        EARLY_INDICES=EARLY_INDICES and early and pdl and grid == items,  # the early kernel takes one item
     ), num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
     return out
