@@ -45,10 +45,9 @@ for it before any read whose value matters. In the chain (pdl.CHAIN) the produce
 first tile of pages into L2 (_prefetch_first_tiles: hints only, from indices that may be stale), so the first
 copies after the wait come from L2. Where the work order, lengths and block tables were complete before the kernel
 just before us started (every layer of a step after the first), and each program has one work item (no persistent
-grid), both partitions load their first work item's indices before the wait too (EARLY_INDICES), so the producer's
-first copies start as soon as it returns. Once a program's
-producer has issued its last copy it allows the kernel after us (quant_per_token, which waits for our output) to
-be scheduled.
+grid), both partitions load their first work item's indices before the wait instead (EARLY_INDICES), the producer
+prefetches from them, and its first copies start as soon as the wait returns. Once a program's producer has
+issued its last copy it allows the kernel after us (quant_per_token, which waits for our output) to be scheduled.
 
 Against the Triton kernel (same process, H100, docs/benchmarks/attention.md, ninth and eleventh sessions) it
 reads as much of the copy bandwidth or more at every batch and context, with its own split count (one round
@@ -78,6 +77,7 @@ from eightbit.kernels.pdl import chain_enabled, pdl_enabled
 from eightbit.kernels.prefill_attention import I8_TO_F16_PTX
 
 CONSUMERS = gl.constexpr(4)
+PREFETCH_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0]))  # [page, row or line], one warp
 PRODUCER_REGS = gl.constexpr(40)
 # mma.sync m16n8k16 with one warp per index of the leading axis (each warp owns one page of a tile)
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
@@ -152,8 +152,6 @@ def _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_p
     address stays valid; the copies after the wait read the real values, from L2 where the kernel before us
     wrote them (L2 is where every SM's writes meet)."""
     TILE: gl.constexpr = CONSUMERS * PAGE
-    VL: gl.constexpr = D * PAGE // 128  # a V page is D * PAGE contiguous bytes
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0])  # [page, row or line], one warp
     item = gl.program_id(0)
     kvh = item % HKV
     b = gl.load(order_ptr + (item // HKV) % batch, cache_modifier=".cg")
@@ -161,25 +159,45 @@ def _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_p
     seq_len = gl.load(seq_lens_ptr + b, cache_modifier=".cg").to(gl.int32)
     seq_len = gl.minimum(gl.maximum(seq_len, 0), bt_width * PAGE)
     start, end, _ = _split_range(seq_len, item // (HKV * batch), num_splits, TILE)
-    pages = gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, layout))
-    rows = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, layout)), 0)
-    lines = gl.expand_dims(gl.arange(0, VL, layout=gl.SliceLayout(0, layout)), 0)
+    pages = gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, PREFETCH_LAYOUT))
     for t in gl.static_range(TILES):
         col = (start + t * TILE) // PAGE + pages  # < bt_width, since seq_len is clamped
         live = col * PAGE < end  # pages past the end get nothing, else every empty split would hit page 0's lines
         page = gl.load(block_tables_ptr + b * stride_bt + col, mask=live, other=0, cache_modifier=".cg")
-        page = gl.expand_dims(gl.minimum(gl.maximum(page, 0), num_blocks - 1).to(gl.int64), 1)
-        page_live = gl.expand_dims(live, 1)
-        row_live = gl.broadcast(page_live, rows)[0]
-        # a K row (one key of this head) is D bytes: its first and last byte cover its one or two lines
-        k_row = k_ptr + (page * PAGE + rows) * (HKV * D) + kvh * D
-        _prefetch_l2_if(k_row, row_live)
-        _prefetch_l2_if(k_row + (D - 1), row_live)
-        _prefetch_l2_if(v_ptr + (page * HKV + kvh) * (D * PAGE) + lines * 128, gl.broadcast(page_live, lines)[0])
-        # the scales: NG values per key; neighbouring keys share lines, which the memory system merges
-        s_off = page * stride_sb + rows * stride_sp + kvh * stride_sh
-        _prefetch_l2_if(k_scale_ptr + s_off, row_live)
-        _prefetch_l2_if(v_scale_ptr + s_off, row_live)
+        _prefetch_pages(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page, live, kvh, num_blocks, stride_sb, stride_sp,
+                        stride_sh, HKV, PAGE, D)
+
+
+@gluon.jit
+def _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, p0, p1, p2, p3, start, end, kvh, num_blocks, stride_sb,
+                   stride_sp, stride_sh, HKV: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr):
+    """_prefetch_pages of the tile at start whose page numbers p0..p3 are already loaded (_tile_pages)."""
+    pages = gl.arange(0, CONSUMERS, layout=gl.SliceLayout(1, PREFETCH_LAYOUT))
+    page = gl.where(pages == 0, p0, gl.where(pages == 1, p1, gl.where(pages == 2, p2, p3)))
+    _prefetch_pages(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page, start + pages * PAGE < end, kvh, num_blocks,
+                    stride_sb, stride_sp, stride_sh, HKV, PAGE, D)
+
+
+@gluon.jit
+def _prefetch_pages(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, page, live, kvh, num_blocks, stride_sb, stride_sp,
+                    stride_sh, HKV: gl.constexpr, PAGE: gl.constexpr, D: gl.constexpr):
+    """prefetch.global.L2 of the K and V lines and scales of this kv head in the pages `page` ([CONSUMERS],
+    clamped into the cache) whose live flag is set."""
+    VL: gl.constexpr = D * PAGE // 128  # a V page is D * PAGE contiguous bytes
+    rows = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(0, PREFETCH_LAYOUT)), 0)
+    lines = gl.expand_dims(gl.arange(0, VL, layout=gl.SliceLayout(0, PREFETCH_LAYOUT)), 0)
+    page = gl.expand_dims(gl.minimum(gl.maximum(page, 0), num_blocks - 1).to(gl.int64), 1)
+    page_live = gl.expand_dims(live, 1)
+    row_live = gl.broadcast(page_live, rows)[0]
+    # a K row (one key of this head) is D bytes: its first and last byte cover its one or two lines
+    k_row = k_ptr + (page * PAGE + rows) * (HKV * D) + kvh * D
+    _prefetch_l2_if(k_row, row_live)
+    _prefetch_l2_if(k_row + (D - 1), row_live)
+    _prefetch_l2_if(v_ptr + (page * HKV + kvh) * (D * PAGE) + lines * 128, gl.broadcast(page_live, lines)[0])
+    # the scales: NG values per key; neighbouring keys share lines, which the memory system merges
+    s_off = page * stride_sb + rows * stride_sp + kvh * stride_sh
+    _prefetch_l2_if(k_scale_ptr + s_off, row_live)
+    _prefetch_l2_if(v_scale_ptr + s_off, row_live)
 
 
 @gluon.jit
@@ -233,7 +251,9 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
     groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     page_of_key = keys_3d // PAGE  # which of the tile's pages a scale thread copies from
-    if PDL and TRIGGER and PREFETCH_TILES > 0:  # in the chain only (EIGHTBIT_PDL_CHAIN=0: the old launches)
+    # in the chain only (EIGHTBIT_PDL_CHAIN=0: the old launches); an early start prefetches its first tile (the
+    # one PREFETCH_TILES asks for) from its own indices below
+    if PDL and TRIGGER and PREFETCH_TILES > 0 and not EARLY_INDICES:
         _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
                               batch, num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
                               HKV, PAGE, D, PREFETCH_TILES)
@@ -243,6 +263,9 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
                                                   TILE, ".cg")
         bt_row = block_tables_ptr + b * stride_bt
         p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE, ".cg")
+        if PDL and TRIGGER and PREFETCH_TILES > 0:  # its first tile's lines into L2 while we wait
+            _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, p0, p1, p2, p3, start, end, kvh, num_blocks,
+                           stride_sb, stride_sp, stride_sh, HKV, PAGE, D)
         _wait_for_previous_kernel(PDL)
         _produce_item(k_desc, v_desc, k_scale_ptr, v_scale_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty,
                       gl.to_tensor(0), kvh, bt_row, start, end, p0, p1, p2, p3, keys_3d, groups, page_of_key,
@@ -638,14 +661,18 @@ PREFETCH_TILES = 1
 WARP_RELEASE = True
 # Where the indices are settled (decode_attention._work_order: the call before took the same seq_lens and block
 # tables, so everything that wrote them, and the order, has completed before the kernel just before us started), both
-# partitions load their first work item's indices, from L2, before the PDL wait, and the producer issues the item's
-# first copies right after it: three dependent loads (order, length, page numbers) fewer between the wait and the
-# first bytes. H200, same process, off / on / on / off (attention.md, forty-fourth session), us a call: 16 x 2k
-# 23.54 -> 22.82, 4 x 2k 10.94 -> 10.06, 1 x 32k 25.02 -> 23.92, 8 x 8k 41.31 -> 40.00; shapes of two rounds or more
-# within their spread; the 8B engine's decode +1.0 % at batch 4, +0.7 % at 16 (2k prompts). A step's first layer
-# (the order just built) waits first, as before. Not for a persistent grid, whose programs walk several items and
-# gain on the first alone: at 256 x 2k the kernel with it read 1.3 % slower on the mean of four runs each, within
-# that shape's spread but not taken.
+# partitions load their first work item's indices, from L2, before the PDL wait; the producer prefetches that item's
+# first tile from them (instead of from a second, hint-only load of the same indices) and issues its copies right
+# after the wait: three dependent loads (order, length, page numbers) fewer between the wait and the first bytes.
+# H200, same process, off / on / on / off (attention.md, forty-fourth session), us a call: 16 x 2k 23.54 -> 22.82,
+# 4 x 2k 10.94 -> 10.06, 1 x 32k 25.02 -> 23.92, 8 x 8k 41.31 -> 40.00; shapes of two rounds or more within their
+# spread. The 8B engine's decode, 2k prompts, fresh processes, three runs each (engine.md, forty-fifth session):
+# +0.4 % at batch 1, +1.4 % at 4, +1.2 % at 16. With the prefetch's own index loads kept before the early ones
+# (forty-fourth session's version) batch 1 read 0.5-0.7 % slower than without early indices in every run; a stack
+# of 32 decode layers showed the producer's half alone slower than none and the math warps' half faster. A step's
+# first layer (the order just built) waits first, as before. Not for a persistent grid, whose programs walk
+# several items and gain on the first alone: at 256 x 2k the kernel with it read 1.3 % slower on the mean of four
+# runs each, within that shape's spread but not taken.
 EARLY_INDICES = True
 KW = 4  # operand elements per thread along k: four int8 values are one 32-bit shared-memory word
 MERGE_CHUNK = gl.constexpr(8)  # splits per step of the merge inside the kernel (_merge_splits)
