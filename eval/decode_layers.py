@@ -12,7 +12,8 @@ each on the one before's output:
 
 Each sequence holds CONTEXT tokens of an int8 cache (groups of 32) and writes its newest token's K/V into that
 cache's last slot; the attention reads through a block table as wide as the engine's CUDA-graph table
-(max_position_embeddings / 16 blocks), so it takes the engine's split count. Every layer starts from the same
+(max_position_embeddings / 16 blocks), so it takes the engine's split count, and, as in the engine, one table and
+one seq_lens serve every layer, so the decode starts early from the second layer on (EARLY_INDICES). Every layer starts from the same
 hidden state and residual (the layers are not chained through their data, only through the stream and the PDL
 chain, which is what decides how they overlap). Weights and caches are random, one set per layer, so that the stack
 reads from HBM as a model does.
@@ -55,8 +56,8 @@ def role_of(n, k):
 
 
 class DecodeLayers:
-    """num_layers decode layers of `model` at batch `batch` (the GEMMs' M), each with its own random weights, int8
-    cache and block table."""
+    """num_layers decode layers of `model` at batch `batch` (the GEMMs' M), each with its own random weights and
+    int8 cache; one block table for all, as in the engine."""
 
     def __init__(self, model, batch, num_layers=8, context=CONTEXT, device="cuda"):
         s = KNOWN_SHAPES[model]
@@ -71,14 +72,16 @@ class DecodeLayers:
         width = s["max_position_embeddings"] // PAGE  # the engine's graph table: max_model_len / block_size
         self.caches = [make_cache(batch * used, self.head_dim, "int8", self.kv_heads, device)
                        for _ in range(num_layers)]
-        self.tables = [torch.nn.functional.pad(
+        # one block table and one seq_lens for every layer, as in an engine step (each layer's cache has its own
+        # blocks at the same numbers): from the second layer on the decode's indices are settled and it starts
+        # early (decode_attention._work_order), as the engine's does
+        self.table = torch.nn.functional.pad(
             torch.randperm(batch * used, dtype=torch.int32, device=device).view(batch, used), (0, width - used))
-            for _ in range(num_layers)]
         self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         # the newest token: position context - 1, in its sequence's last used block
         last = context - 1
         self.positions = torch.full((batch,), last, dtype=torch.int64, device=device)
-        self.slots = [(t[:, last // PAGE].long() * PAGE + last % PAGE).contiguous() for t in self.tables]
+        self.slots = (self.table[:, last // PAGE].long() * PAGE + last % PAGE).contiguous()
         self.cos_sin = cos_sin_cache(dummy_config(model), s["max_position_embeddings"]).to(device)
         bf16 = dict(dtype=torch.bfloat16, device=device)
         self.x = torch.randn(batch, self.hidden, **bf16)
@@ -96,8 +99,8 @@ class DecodeLayers:
         x_q, x_scale, residual = rmsnorm_quant(self.x, self.norm_weight, self.eps, self.residual)
         q, k, v = gemm("qkv", x_q, x_scale).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = rope_kv_write(q.view(b, self.heads, d), k.view(b, self.kv_heads, d), v.view(b, self.kv_heads, d),
-                          self.positions, self.cos_sin, *self.caches[i], self.slots[i])
-        attn = decode_attention(q, *self.caches[i], self.tables[i], self.seq_lens, d ** -0.5)
+                          self.positions, self.cos_sin, *self.caches[i], self.slots)
+        attn = decode_attention(q, *self.caches[i], self.table, self.seq_lens, d ** -0.5)
         out = gemm("o", *quant_per_token(attn.view(b, self.heads * d)))
         x_q, x_scale, _ = rmsnorm_quant(out, self.norm_weight, self.eps, residual)
         return gemm("down", *silu_mul_quant(gemm("gate_up", x_q, x_scale)))
