@@ -13,10 +13,10 @@ each on the one before's output:
 Each sequence holds CONTEXT tokens of an int8 cache (groups of 32) and writes its newest token's K/V into that
 cache's last slot; the attention reads through a block table as wide as the engine's CUDA-graph table
 (max_position_embeddings / 16 blocks), so it takes the engine's split count, and, as in the engine, one table and
-one seq_lens serve every layer, so the decode starts early from the second layer on (EARLY_INDICES). Every layer starts from the same
-hidden state and residual (the layers are not chained through their data, only through the stream and the PDL
-chain, which is what decides how they overlap). Weights and caches are random, one set per layer, so that the stack
-reads from HBM as a model does.
+one seq_lens serve every layer, so the decode starts early from the second layer on (EARLY_INDICES). Every layer
+starts from the same hidden state and residual (the layers are not chained through their data, only through the
+stream and the PDL chain, which is what decides how they overlap). Weights and caches are random, one set per
+layer, so that the stack reads from HBM as a model does.
 """
 
 import math

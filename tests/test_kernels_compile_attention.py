@@ -227,7 +227,8 @@ def test_decode_ws_kernel_compiles_for_sm90():
     warp specialization, int8 operands read as 32-bit words (not bytes), shared memory for two programs per
     multiprocessor, in the chain the L2 prefetch before the wait, and with WARP_RELEASE a math warp's tile loop
     without a barrier across the warps, its ring barriers' offsets readable from the PTX (the launch needs them).
-    With EARLY_INDICES the producer also loads its first work item's indices before the wait, from L2."""
+    With EARLY_INDICES the producer loads its first work item's indices before the wait, from L2, once, and
+    prefetches its first tile from them."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", WS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
