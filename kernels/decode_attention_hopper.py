@@ -251,9 +251,10 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
     groups = gl.expand_dims(gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl))), 0), 1)
     nbytes: gl.constexpr = CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     page_of_key = keys_3d // PAGE  # which of the tile's pages a scale thread copies from
-    # in the chain only (EIGHTBIT_PDL_CHAIN=0: the old launches); an early start prefetches its first tile (the
-    # one PREFETCH_TILES asks for) from its own indices below
-    if PDL and TRIGGER and PREFETCH_TILES > 0 and not EARLY_INDICES:
+    # the L2 prefetch before the wait: in the chain only (EIGHTBIT_PDL_CHAIN=0: the old launches); an early start
+    # prefetches its first tile (the one PREFETCH_TILES asks for) from its own indices below
+    PREFETCH: gl.constexpr = PDL and TRIGGER and PREFETCH_TILES > 0
+    if PREFETCH and not EARLY_INDICES:
         _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
                               batch, num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
                               HKV, PAGE, D, PREFETCH_TILES)
@@ -263,7 +264,7 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
                                                   TILE, ".cg")
         bt_row = block_tables_ptr + b * stride_bt
         p0, p1, p2, p3 = _tile_pages(bt_row, start, end, PAGE, ".cg")
-        if PDL and TRIGGER and PREFETCH_TILES > 0:  # its first tile's lines into L2 while we wait
+        if PREFETCH:  # its first tile's lines into L2 while we wait
             _prefetch_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, p0, p1, p2, p3, start, end, kvh, num_blocks,
                            stride_sb, stride_sp, stride_sh, HKV, PAGE, D)
         _wait_for_previous_kernel(PDL)
