@@ -35,6 +35,7 @@ The kv head is the fastest grid axis, so programs reading neighbouring heads of 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from . import attention_configs
 from .attention_configs import REDUCE_CHUNK, REDUCE_CHUNKS, decode_config, decode_num_splits
@@ -317,8 +318,10 @@ def _work_order(seq_lens, block_tables):
 
 def _stream_of(t):
     """The stream a CUDA tensor's kernels are launched on now (None on the CPU): only stream order makes the
-    previous call's kernel run before this one."""
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+    previous call's kernel run before this one. Triton's lookup, the one its launches use: 0.2 us a call on the
+    H200 machine against 7 us for torch.cuda.current_stream, which builds a Stream object (attention.md,
+    forty-sixth session)."""
+    return driver.active.get_current_stream(t.get_device()) if t.is_cuda else None
 
 
 def _order(seq_lens, longest_first):

@@ -503,6 +503,19 @@ def test_decode_work_order_longest_first_and_memo(monkeypatch):
     assert order.tolist() == list(range(6)) and not settled
 
 
+@gpu
+def test_gpu_decode_stream_of_is_the_current_stream():
+    """The stream _work_order keys its settled flag on is the one this call's kernels go to, on a side stream too."""
+    from eightbit.kernels import decode_attention as dmod
+
+    t = torch.zeros(4, dtype=torch.int32, device="cuda")
+    assert dmod._stream_of(t) == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert dmod._stream_of(t) == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+    assert dmod._stream_of(t.cpu()) is None
+
+
 def test_decode_split_counts():
     """Hand-computed: programs_per_sm x SMs // (batch x kv heads), capped by the context (128 keys per split)
     and DECODE_MAX_SPLITS, at least 1; the Gluon kernel's rule (2 per SM) gives one round of work items."""
