@@ -87,6 +87,8 @@ DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device can be asked
 # eleventh session): that rule picked the best count of the Gluon kernel from batch 1 x 8k to 64 x 2k and with
 # the engine's mixed lengths, and with it the Gluon kernel was equal to the Triton kernel or ahead at every
 # batch and context: 1 x 32k 61 vs 57 % of the copy bandwidth, 4 x 8k 61 vs 57 %, 32 x 2k 72 vs 62 %.
+# One split at batch 16 (one program an SM, with 3-6 ring slots) instead of the rule's two read 7-35 % slower on an
+# H200 (forty-sixth session): one program's math warps stream ~94 keys/us an SM, two ~113.
 DECODE_WS_MIN_PROGRAMS = 1
 DECODE_WS_PROGRAMS_PER_SM = 2
 # The Gluon kernel's persistent grid starts the longest sequences' work items first (a greedy longest-first

@@ -626,13 +626,14 @@ def _bind_ring_barriers(kernel):
 
 _launch_kernel = FastLauncher(_decode_ws_kernel, bind=_bind_ring_barriers)
 
-# Launch settings (GPU A/B in docs/benchmarks/attention.md, ninth session): slots in the ring, and the register
-# cap at launch. Triton pads the producer warp to a warp group, so a program holds 8 warps' registers; at 104
-# per thread two programs share an SM and the consumers get 184 (no spills). A cap of 80 (3 programs per SM,
-# consumers at 136) spilled and read 5-20 points less. Slots: on an H100 4 instead of 2 changed nothing; on an
-# H200 3 read more of the copy bandwidth than 2 at every shape measured, by 0.8-2.7 points on the means of two runs
-# each (0.5-4 in a second session's comparison), and 4 no more than 3 (attention.md, thirty-second and
-# thirty-third sessions). 3 is not measured on an H100.
+# Launch settings (GPU A/B in docs/benchmarks/attention.md, ninth session): slots in the ring, and the register cap at
+# launch. Triton pads the producer warp to a warp group, so a program holds 8 warps' registers; at 104 per thread two
+# programs share an SM and the consumers get 184 (no spills). A cap of 80 (3 programs per SM, consumers at 136)
+# spilled and read 5-20 points less (H100); on an H200 80 took 1.6-2x as long at every shape and 88 (three spills)
+# 15-25 % longer (attention.md, forty-sixth session): the math warps' loop is on the critical path. Slots: on an H100
+# 4 instead of 2 changed nothing; on an H200 3 read more of the copy bandwidth than 2 at every shape measured, by
+# 0.8-2.7 points on the means of two runs each (0.5-4 in a second session's comparison), and 4 no more than 3
+# (attention.md, thirty-second and thirty-third sessions). 3 is not measured on an H100.
 STAGES = 3
 MAXNREG = 104
 # The grid (_grid_size). RESIDENT_PER_SM programs fit on an SM at once (MAXNREG; the split rule's target,
