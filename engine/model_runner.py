@@ -149,15 +149,11 @@ class ModelRunner:
             self.kv_cache.copy_blocks(copies)
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # one-token sequences first (stable)
         input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled, input_tokens)
-        hidden, logits = self._run_graph(input_ids, positions, context) or (
-            self._run_eager(input_ids, positions, context), None)  # logits: every row's, if the graph made them
-        if not sample_seqs:
-            logits = None
-        elif len(sample_seqs) < len(hidden):
-            rows = host_tensor_to_device(sample_rows, self.device)
-            logits = self.model.compute_logits(hidden[rows]) if logits is None else logits[rows]
-        elif logits is None:  # every row samples (decode): no gather, no copy
-            logits = self.model.compute_logits(hidden)
+        # logits: those of the first len(logits) rows where a decode graph made them, else None
+        hidden, logits = (self._run_graph(input_ids, positions, context)
+                          or self._run_mixed_graphs(input_ids, positions, context)
+                          or (self._run_eager(input_ids, positions, context), None))
+        logits = self._sample_logits(hidden, logits, sample_rows) if sample_seqs else None
         # a continuation (input_tokens given) runs past every prompt: no prompt position to score
         prompt_logprobs = {} if input_tokens is not None else self._prompt_logprobs(scheduled, hidden)
         return StepResult(sample_seqs, logits, prompt_logprobs)
@@ -169,6 +165,44 @@ class ModelRunner:
         if graphs is None or not graphs.fits(len(input_ids), context):
             return None
         return graphs.run(input_ids, positions, context)
+
+    def _run_mixed_graphs(self, input_ids, positions, context):
+        """A mixed step of one-token sequences and ONE prefill sequence as two graph replays, the decode graph's and
+        the prefill graph's: (hidden states of every row, logits of the one-token rows), or None if either part fits
+        no graph. Run eagerly, such a step costs about 1 ms of host time a layer, where reading the weights a second
+        time costs a fraction of that (docs/benchmarks/engine.md, runs 79-80)."""
+        nd, n = context.num_decodes, len(input_ids)
+        if self.decode_graphs is None or self.prefill_graphs is None or not 0 < nd == len(context.seq_lens) - 1:
+            return None
+        decode = Context(slot_mapping=context.slot_mapping[:nd], block_tables=context.block_tables[:nd],
+                         seq_lens=context.seq_lens[:nd], cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+                         num_decodes=nd, prefill_width=0)
+        prefill = Context(slot_mapping=context.slot_mapping[nd:], block_tables=context.block_tables[nd:],
+                          seq_lens=context.seq_lens[nd:], cu_seqlens_q=context.cu_seqlens_q, num_decodes=0,
+                          prefill_width=context.prefill_width)
+        if not (self.decode_graphs.fits(nd, decode) and self.prefill_graphs.fits(n - nd, prefill)):
+            return None
+        # each graph writes only its own static buffers, so the decode part's outputs survive the second replay
+        hidden_d, logits = self.decode_graphs.run(input_ids[:nd], positions[:nd], decode)
+        hidden_p, _ = self.prefill_graphs.run(input_ids[nd:], positions[nd:], prefill)
+        return torch.cat([hidden_d, hidden_p]), logits
+
+    def _sample_logits(self, hidden, logits, sample_rows):
+        """float32 logits of the rows that sample (sample_rows, ascending); logits: those a graph made for the first
+        len(logits) rows, or None. Only rows without them go through the lm_head."""
+        n, have = len(hidden), 0 if logits is None else len(logits)
+        if len(sample_rows) == n == have:  # every row samples and the graph has them all (decode): no copy
+            return logits
+        if len(sample_rows) == n and have == 0:
+            return self.model.compute_logits(hidden)
+        rows = host_tensor_to_device(sample_rows, self.device)
+        k = int(np.searchsorted(sample_rows.numpy(), have))  # sampled rows the graph's logits cover
+        if k == len(sample_rows):
+            return logits[rows]
+        rest = self.model.compute_logits(hidden[rows[k:]])
+        if k == 0:
+            return rest
+        return torch.cat([logits if k == have else logits[rows[:k]], rest])
 
     def _run_eager(self, input_ids, positions, context):
         dev = self.device

@@ -13,6 +13,7 @@ import torch
 
 from eightbit import LLM, SamplingParams
 from eightbit.engine.cuda_graphs import PrefillGraphs
+from eightbit.engine.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -63,19 +64,55 @@ def test_gpu_graphs_match_eager(name, monkeypatch):
     # summation order, which int8 activation rounding can amplify into a different argmax on this
     # random-weight model. There vLLM's rule applies: at the first divergence each side's token is among
     # the other's top-5.
-    prompt_tol = 2e-2 if name == "bf16" else 2e-3
-    for (p, _), w, g in zip(requests, want, got):
-        msg = f"prompt of {len(p)} tokens"
+    _assert_close_runs(want, got, 2e-2 if name == "bf16" else 2e-3)
+
+
+def _assert_close_runs(want, got, prompt_tol):
+    """Prompt log-probs, the first token and its log-prob within prompt_tol; later tokens by vLLM's rule (at the
+    first divergence each side's token is among the other's top-5): see test_gpu_graphs_match_eager."""
+    for w, g in zip(want, got):
+        msg = f"prompt of {len(w.prompt_token_ids)} tokens"
         gw, gg = w.outputs[0], g.outputs[0]
         assert gg.token_ids[0] == gw.token_ids[0], msg
         assert abs(gg.logprobs[0][gg.token_ids[0]] - gw.logprobs[0][gw.token_ids[0]]) < prompt_tol, msg
-        if g.prompt_logprobs is not None and len(p) > 1:
+        if g.prompt_logprobs is not None and len(w.prompt_token_ids) > 1:
             torch.testing.assert_close(_first_values(g.prompt_logprobs), _first_values(w.prompt_logprobs),
                                        atol=prompt_tol, rtol=0, msg=msg)
         diverged = [i for i, (a, b) in enumerate(zip(gg.token_ids, gw.token_ids)) if a != b]
         if diverged:
             i = diverged[0]
             assert gg.token_ids[i] in gw.logprobs[i] and gw.token_ids[i] in gg.logprobs[i], msg
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gpu_mixed_steps_replay_two_graphs_as_eager(name, monkeypatch):
+    """A step of decodes and one prompt chunk replays the decode graph and the prefill graph
+    (ModelRunner._run_mixed_graphs): prompt log-probs, tokens and log-probs as an eager engine's on the same
+    schedule (a small token budget, so prompts are chunked while others decode)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    opts = dict(load_format="dummy", gpu_memory_utilization=0.2, max_num_batched_tokens=64, **CONFIGS[name])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, logprobs=5)
+    prompts = [_prompt(i, n) for i, n in enumerate((5, 150, 40, 300, 9, 77))]
+    eager = LLM("llama-tiny", enforce_eager=True, **opts)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    del eager
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    split = []
+    real = ModelRunner._run_mixed_graphs
+
+    def run_mixed(self, *args):
+        out = real(self, *args)
+        split.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_run_mixed_graphs", run_mixed)
+    llm = LLM("llama-tiny", **opts)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(split) >= 3, split
+    _assert_close_runs(want, got, 2e-2 if name == "bf16" else 2e-3)
 
 
 def test_gpu_engine_decode_gluon_matches_triton(monkeypatch):

@@ -119,3 +119,55 @@ def test_every_layer_of_a_mixed_step_passes_the_kernels_the_same_metadata(monkey
     for name in ("decode_attention", "prefill_attention"):
         calls = [c for c in mixed if c[0] == name]
         assert len(calls) == layers and len(set(calls)) == 1, name
+
+
+class _EagerGraphs:
+    """Stands in for a runner's captured CUDA graphs on the CPU: takes every step of its kind (decode: one token a
+    sequence; prefill: one sequence) and runs it eagerly, returning what the graphs return."""
+
+    def __init__(self, runner, decode):
+        self.runner, self.decode, self.steps = runner, decode, []
+
+    def fits(self, n, context):
+        return context.is_decode if self.decode else len(context.seq_lens) == 1
+
+    def run(self, input_ids, positions, context):
+        self.steps.append(len(input_ids))
+        hidden = self.runner._run_eager(input_ids, positions, context)
+        return hidden, self.runner.model.compute_logits(hidden) if self.decode else None
+
+
+def test_mixed_steps_as_two_graph_replays_match_requests_run_alone():
+    """A mixed step of decodes and one prefill sequence runs as the decode graph's replay and the prefill graph's
+    (ModelRunner._run_mixed_graphs): every request's tokens and log-probs as when it runs alone, prompt log-probs
+    included, with the logits of the decode rows taken from the decode graph and the prefill row's computed."""
+    options = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
+    prompts = [[(7 * i + 5 * j) % 900 + 1 for j in range(n)] for i, n in enumerate((4, 21, 2, 13))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    alone = LLM("llama-tiny", **options)
+    want = [alone.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    llm = LLM("llama-tiny", max_num_batched_tokens=8, **options)
+    runner = llm.engine.runner
+    runner.decode_graphs, runner.prefill_graphs = _EagerGraphs(runner, True), _EagerGraphs(runner, False)
+    split_steps = []
+    real_mixed = runner._run_mixed_graphs
+
+    def run_mixed(input_ids, positions, context):
+        out = real_mixed(input_ids, positions, context)
+        split_steps.append(out is not None)
+        return out
+
+    runner._run_mixed_graphs = run_mixed
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(split_steps) >= 3, "the schedule should contain mixed steps of one prefill sequence"
+    assert runner.decode_graphs.steps and runner.prefill_graphs.steps
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), rtol=0,
+                                       atol=1e-4)
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), rtol=0,
+                                       atol=1e-4)
