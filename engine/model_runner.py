@@ -174,12 +174,11 @@ class ModelRunner:
         nd, n = context.num_decodes, len(input_ids)
         if self.decode_graphs is None or self.prefill_graphs is None or not 0 < nd == len(context.seq_lens) - 1:
             return None
-        decode = Context(slot_mapping=context.slot_mapping[:nd], block_tables=context.block_tables[:nd],
-                         seq_lens=context.seq_lens[:nd], cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
-                         num_decodes=nd, prefill_width=0)
-        prefill = Context(slot_mapping=context.slot_mapping[nd:], block_tables=context.block_tables[nd:],
-                          seq_lens=context.seq_lens[nd:], cu_seqlens_q=context.cu_seqlens_q, num_decodes=0,
-                          prefill_width=context.prefill_width)
+        (tables_d, lens_d), (tables_p, lens_p) = context.decode_part, context.prefill_part
+        decode = Context(slot_mapping=context.slot_mapping[:nd], block_tables=tables_d, seq_lens=lens_d,
+                         cu_seqlens_q=torch.zeros(1, dtype=torch.int32), num_decodes=nd, prefill_width=0)
+        prefill = Context(slot_mapping=context.slot_mapping[nd:], block_tables=tables_p, seq_lens=lens_p,
+                          cu_seqlens_q=context.cu_seqlens_q, num_decodes=0, prefill_width=context.prefill_width)
         if not (self.decode_graphs.fits(nd, decode) and self.prefill_graphs.fits(n - nd, prefill)):
             return None
         # each graph writes only its own static buffers, so the decode part's outputs survive the second replay

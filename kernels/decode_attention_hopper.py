@@ -258,7 +258,6 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
         _prefetch_first_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
                               batch, num_splits, num_blocks, bt_width, stride_sb, stride_sp, stride_sh, stride_bt,
                               HKV, PAGE, D, PREFETCH_TILES)
-    total = HKV * batch * num_splits
     if EARLY_INDICES:  # one item a program (launch_ws): its keys and page numbers before the wait, copies right after
         kvh, b, split, start, end, _ = _work_item(gl.program_id(0), order_ptr, seq_lens_ptr, batch, num_splits, HKV,
                                                   TILE, ".cg")
@@ -274,6 +273,7 @@ def _producer(k_desc, v_desc, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_tabl
     else:
         _wait_for_previous_kernel(PDL)
         it = 0  # tiles so far, over all of this program's work items (the ring runs on across items)
+        total = HKV * batch * num_splits
         for pos in range(gl.program_id(0), total, gl.num_programs(0)):
             item = _snake_item(pos, total, gl.num_programs(0))
             kvh, b, split, start, end, _ = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits, HKV, TILE, "")
@@ -352,7 +352,6 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, 
     """CONSUMERS warps walking the same work items as the producer; every tensor's leading axis is the warp
     (warp w owns page w of each tile), so everything but the merge at the end of an item stays in one warp."""
     TILE: gl.constexpr = CONSUMERS * k_bufs.shape[2]
-    total = HKV * batch * num_splits
     if EARLY_INDICES:  # one item a program (launch_ws): its indices before the wait; only q, which kv_write writes,
         # must come after it
         kvh, b, split, start, end, live_splits = _work_item(gl.program_id(0), order_ptr, seq_lens_ptr, batch,
@@ -365,6 +364,7 @@ def _consumer(q_ptr, k_bufs, v_bufs, ks_bufs, vs_bufs, ready, empty, ready_off, 
     else:
         _wait_for_previous_kernel(PDL)
         it = 0
+        total = HKV * batch * num_splits
         for pos in range(gl.program_id(0), total, gl.num_programs(0)):
             item = _snake_item(pos, total, gl.num_programs(0))
             kvh, b, split, start, end, live_splits = _work_item(item, order_ptr, seq_lens_ptr, batch, num_splits,
