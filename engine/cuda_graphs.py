@@ -1,5 +1,6 @@
-"""Steps replayed as CUDA graphs: decode steps per batch-size bucket, short prefills per token bucket, and a
-mixed step of decodes and one prefill sequence as one replay of each (ModelRunner._run_mixed_graphs).
+"""Steps replayed as CUDA graphs: decode steps per batch-size bucket, short prefills per token bucket, and steps
+no one graph takes (decodes beside prefill sequences, or several prefill sequences) as one replay per part
+(ModelRunner._run_split_graphs).
 
 Run eagerly, a step costs one Python-level launch per kernel (~11 per layer), so a decode
 step or a short prefill is bound by the host, not the GPU (Llama-3-8B, a 512-token prompt:

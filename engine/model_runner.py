@@ -19,6 +19,10 @@ from eightbit.engine.transfer import host_tensor_to_device, to_device
 from eightbit.kernels.reference import v_cache_shape
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when scoring
+# A step with more prefill sequences, or more prefill tokens, runs eagerly: each replay reads the weights again,
+# and past these the eager step is bound by the GPU, not the host (ModelRunner._run_split_graphs)
+MAX_PREFILL_REPLAYS = 4
+MAX_SPLIT_TOKENS = 2048
 
 
 @dataclass
@@ -151,7 +155,7 @@ class ModelRunner:
         input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled, input_tokens)
         # logits: those of the first len(logits) rows where a decode graph made them, else None
         hidden, logits = (self._run_graph(input_ids, positions, context)
-                          or self._run_mixed_graphs(input_ids, positions, context)
+                          or self._run_split_graphs(input_ids, positions, context)
                           or (self._run_eager(input_ids, positions, context), None))
         logits = self._sample_logits(hidden, logits, sample_rows) if sample_seqs else None
         # a continuation (input_tokens given) runs past every prompt: no prompt position to score
@@ -166,25 +170,44 @@ class ModelRunner:
             return None
         return graphs.run(input_ids, positions, context)
 
-    def _run_mixed_graphs(self, input_ids, positions, context):
-        """A mixed step of one-token sequences and ONE prefill sequence as two graph replays, the decode graph's and
-        the prefill graph's: (hidden states of every row, logits of the one-token rows), or None if either part fits
-        no graph. Run eagerly, such a step costs about 1 ms of host time a layer, where reading the weights a second
-        time costs a fraction of that (docs/benchmarks/engine.md, runs 79-80)."""
+    def _run_split_graphs(self, input_ids, positions, context):
+        """A step no one graph takes (one-token sequences beside prefill sequences, or several prefill sequences) as
+        one replay of the decode graph for the one-token sequences and one of the prefill graph per prefill
+        sequence: (hidden states of every row, logits of the one-token rows or None), or None if a part fits no
+        graph or the step has more than MAX_PREFILL_REPLAYS prefill sequences or MAX_SPLIT_TOKENS prefill tokens.
+
+        Run eagerly, such a step costs about 1 ms of host time a layer; each replay reads the weights once more,
+        a fraction of that for a short sequence (~3.5 ms for Llama-3-8B). On an H200 (docs/benchmarks/engine.md,
+        run 81) steps of up to 4 prompts and 2,048 prefill tokens ran 1.1-16x faster so; 8 short prompts broke even
+        on Llama-3-8B (0.90-1.43x), and 4-8 prompts of 4,096 tokens ran up to 1.35x slower. Each graph writes its
+        own static buffers, so a part's hidden states are copied out before the next replay."""
         nd, n = context.num_decodes, len(input_ids)
-        if self.decode_graphs is None or self.prefill_graphs is None or not 0 < nd == len(context.seq_lens) - 1:
+        num_prefills = len(context.seq_lens) - nd
+        if (self.prefill_graphs is None or not 0 < num_prefills <= MAX_PREFILL_REPLAYS or n - nd > MAX_SPLIT_TOKENS
+                or (nd and self.decode_graphs is None)):
             return None
         (tables_d, lens_d), (tables_p, lens_p) = context.decode_part, context.prefill_part
-        decode = Context(slot_mapping=context.slot_mapping[:nd], block_tables=tables_d, seq_lens=lens_d,
-                         cu_seqlens_q=torch.zeros(1, dtype=torch.int32), num_decodes=nd, prefill_width=0)
-        prefill = Context(slot_mapping=context.slot_mapping[nd:], block_tables=tables_p, seq_lens=lens_p,
-                          cu_seqlens_q=context.cu_seqlens_q, num_decodes=0, prefill_width=context.prefill_width)
-        if not (self.decode_graphs.fits(nd, decode) and self.prefill_graphs.fits(n - nd, prefill)):
+        cu = context.cu_seqlens_q.tolist()
+        parts = []  # (graphs, rows, context) of each replay
+        if nd:
+            parts.append((self.decode_graphs, slice(0, nd), Context(
+                slot_mapping=context.slot_mapping[:nd], block_tables=tables_d, seq_lens=lens_d,
+                cu_seqlens_q=torch.zeros(1, dtype=torch.int32), num_decodes=nd, prefill_width=0)))
+        for i in range(num_prefills):
+            rows = slice(nd + cu[i], nd + cu[i + 1])
+            parts.append((self.prefill_graphs, rows, Context(
+                slot_mapping=context.slot_mapping[rows], block_tables=tables_p[i : i + 1], seq_lens=lens_p[i : i + 1],
+                cu_seqlens_q=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32), num_decodes=0,
+                prefill_width=tables_p.shape[1])))
+        if not all(graphs.fits(rows.stop - rows.start, part) for graphs, rows, part in parts):
             return None
-        # each graph writes only its own static buffers, so the decode part's outputs survive the second replay
-        hidden_d, logits = self.decode_graphs.run(input_ids[:nd], positions[:nd], decode)
-        hidden_p, _ = self.prefill_graphs.run(input_ids[nd:], positions[nd:], prefill)
-        return torch.cat([hidden_d, hidden_p]), logits
+        hidden = logits = None
+        for graphs, rows, part in parts:
+            h, part_logits = graphs.run(input_ids[rows], positions[rows], part)
+            if hidden is None:  # the first part: the decode graph's logits, if the step has one-token sequences
+                hidden, logits = h.new_empty(n, h.shape[1]), part_logits
+            hidden[rows] = h
+        return hidden, logits
 
     def _sample_logits(self, hidden, logits, sample_rows):
         """float32 logits of the rows that sample (sample_rows, ascending); logits: those a graph made for the first

@@ -85,33 +85,34 @@ def _assert_close_runs(want, got, prompt_tol):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_gpu_mixed_steps_replay_two_graphs_as_eager(name, monkeypatch):
-    """A step of decodes and one prompt chunk replays the decode graph and the prefill graph
-    (ModelRunner._run_mixed_graphs): prompt log-probs, tokens and log-probs as an eager engine's on the same
-    schedule (a small token budget, so prompts are chunked while others decode)."""
+def test_gpu_split_steps_replay_graphs_as_eager(name, monkeypatch):
+    """Steps of decodes beside prompt chunks, and of several prompts, replay the decode graph and the prefill graph
+    once per prompt (ModelRunner._run_split_graphs): prompt log-probs, tokens and log-probs as an eager engine's on
+    the same schedule (a small token budget, so prompts are chunked while others decode)."""
     gc.collect()
     torch.cuda.empty_cache()
     opts = dict(load_format="dummy", gpu_memory_utilization=0.2, max_num_batched_tokens=64, **CONFIGS[name])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, logprobs=5)
-    prompts = [_prompt(i, n) for i, n in enumerate((5, 150, 40, 300, 9, 77))]
+    prompts = [_prompt(i, n) for i, n in enumerate((5, 150, 40, 300, 9, 77, 3, 20))]
     eager = LLM("llama-tiny", enforce_eager=True, **opts)
     want = eager.generate(prompts, params, use_tqdm=False)
     del eager
     gc.collect()
     torch.cuda.empty_cache()
 
-    split = []
-    real = ModelRunner._run_mixed_graphs
+    split = []  # (one-token sequences, prefill sequences) of each step run as replays
+    real = ModelRunner._run_split_graphs
 
-    def run_mixed(self, *args):
-        out = real(self, *args)
-        split.append(out is not None)
+    def run_split(self, input_ids, positions, context):
+        out = real(self, input_ids, positions, context)
+        if out is not None:
+            split.append((context.num_decodes, len(context.seq_lens) - context.num_decodes))
         return out
 
-    monkeypatch.setattr(ModelRunner, "_run_mixed_graphs", run_mixed)
+    monkeypatch.setattr(ModelRunner, "_run_split_graphs", run_split)
     llm = LLM("llama-tiny", **opts)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert sum(split) >= 3, split
+    assert any(d and p == 1 for d, p in split) and any(p > 1 for d, p in split), split
     _assert_close_runs(want, got, 2e-2 if name == "bf16" else 2e-3)
 
 

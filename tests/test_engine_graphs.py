@@ -77,9 +77,9 @@ def test_graph_padding_matches_eager_cpu():
     got = [llm.generate(p, sp, use_tqdm=False) for p, sp in requests]
 
     prefills = sorted(n for kind, n in replays if kind == "PrefillGraphs")
-    # one-sequence prefills up to 256 tokens (300 and the batch of 3 run eagerly; a 1-token prompt
-    # is a decode step)
-    assert prefills == sorted([5, 16, 17, 40, 200, 100, 20])
+    # one-sequence prefills up to 256 tokens, and the batch of 3 as one replay per prompt (300 runs eagerly;
+    # a 1-token prompt is a decode step)
+    assert prefills == sorted([5, 16, 17, 40, 200, 100, 20, 9, 10, 11])
     assert ("DecodeGraphs", 3) in replays and ("DecodeGraphs", 1) in replays
     for (prompts, _), w_outs, g_outs in zip(requests, want, got):
         for p, w, g in zip(prompts, w_outs, g_outs):

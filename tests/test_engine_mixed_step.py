@@ -5,9 +5,11 @@ attention layer against running every sequence through prefill attention, and at
 against each request run alone.
 """
 
+import pytest
 import torch
 
 from eightbit import LLM, SamplingParams
+from eightbit.engine import model_runner
 from eightbit.engine.context import Context, reset_context, set_context
 from eightbit.engine.layers.attention import Attention
 from eightbit.kernels import reference as R
@@ -137,29 +139,41 @@ class _EagerGraphs:
         return hidden, self.runner.model.compute_logits(hidden) if self.decode else None
 
 
-def test_mixed_steps_as_two_graph_replays_match_requests_run_alone():
-    """A mixed step of decodes and one prefill sequence runs as the decode graph's replay and the prefill graph's
-    (ModelRunner._run_mixed_graphs): every request's tokens and log-probs as when it runs alone, prompt log-probs
-    included, with the logits of the decode rows taken from the decode graph and the prefill row's computed."""
+@pytest.mark.parametrize("limits", [None, (3, 7), (2, 8)])
+def test_steps_split_into_graph_replays_match_requests_run_alone(limits, monkeypatch):
+    """A step of decodes beside prefill sequences, or of several prefill sequences, runs as the decode graph's replay
+    and one prefill-graph replay per prefill sequence (ModelRunner._run_split_graphs): every request's tokens and
+    log-probs as when it runs alone, prompt log-probs included, with the logits of the decode rows taken from the
+    decode graph and the prefill rows' computed. limits: (prefill sequences, prefill tokens) past which a step runs
+    eagerly, lowered so that this schedule meets them (None: the engine's)."""
+    if limits:
+        monkeypatch.setattr(model_runner, "MAX_PREFILL_REPLAYS", limits[0])
+        monkeypatch.setattr(model_runner, "MAX_SPLIT_TOKENS", limits[1])
+    max_prefills, max_tokens = limits or (model_runner.MAX_PREFILL_REPLAYS, model_runner.MAX_SPLIT_TOKENS)
     options = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
-    prompts = [[(7 * i + 5 * j) % 900 + 1 for j in range(n)] for i, n in enumerate((4, 21, 2, 13))]
+    prompts = [[(7 * i + 5 * j) % 900 + 1 for j in range(n)] for i, n in enumerate((4, 21, 2, 13, 3))]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     alone = LLM("llama-tiny", **options)
     want = [alone.generate([p], params, use_tqdm=False)[0] for p in prompts]
     llm = LLM("llama-tiny", max_num_batched_tokens=8, **options)
     runner = llm.engine.runner
     runner.decode_graphs, runner.prefill_graphs = _EagerGraphs(runner, True), _EagerGraphs(runner, False)
-    split_steps = []
-    real_mixed = runner._run_mixed_graphs
+    steps = []  # (one-token sequences, prefill sequences, prefill tokens, run as replays) of each step no graph fits
+    real_split = runner._run_split_graphs
 
-    def run_mixed(input_ids, positions, context):
-        out = real_mixed(input_ids, positions, context)
-        split_steps.append(out is not None)
+    def run_split(input_ids, positions, context):
+        out = real_split(input_ids, positions, context)
+        nd = context.num_decodes
+        steps.append((nd, len(context.seq_lens) - nd, len(input_ids) - nd, out is not None))
         return out
 
-    runner._run_mixed_graphs = run_mixed
+    runner._run_split_graphs = run_split
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert sum(split_steps) >= 3, "the schedule should contain mixed steps of one prefill sequence"
+    split = [s for s in steps if s[3]]
+    assert any(d and p == 1 for d, p, _, _ in split), steps
+    assert any(p > 1 for d, p, _, _ in split), steps
+    assert all((p <= max_prefills and t <= max_tokens) == replayed for d, p, t, replayed in steps), steps
+    assert len(split) < len(steps) if limits else len(split) == len(steps), steps
     assert runner.decode_graphs.steps and runner.prefill_graphs.steps
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
