@@ -145,39 +145,49 @@ class DecodeGraphs(_Graphs):
 
 
 class PrefillGraphs(_Graphs):
-    """The prefill of ONE sequence (a whole prompt, or a chunk after cached context) of up to
-    max_tokens tokens. The bucket's remaining rows form a second, padding sequence: its tokens
-    write nowhere (slot -1), read keys of block 0 (its block-table row stays zero) and their
-    output rows are dropped, so the real sequence's rows compute what an eager step does, by the kernels a
-    capture allows: over an int8 cache a long eager prefill attends through a dequantized float copy
-    (prefill_attention's via-float path, not capturable), a replay through the int8 Triton kernel, so the two
-    agree within float rounding, not bit for bit.
+    """The prefill of up to max_seqs sequences (whole prompts, or chunks after cached context) of up to max_tokens
+    new tokens in all. The bucket's remaining rows form one more, padding sequence: its tokens write nowhere (slot
+    -1), read keys of block 0 (its block-table row stays zero) and their output rows are dropped; the sequence
+    slots a step leaves unused are empty (no new tokens, length 0: no attention tile reads them). So the real
+    sequences' rows compute what an eager step does, by the kernels a capture allows: over an int8 cache a long
+    eager prefill attends through a dequantized float copy (prefill_attention's via-float path, not capturable), a
+    replay through the int8 Triton kernel, so the two agree within float rounding, not bit for bit.
     """
 
-    def __init__(self, model, max_tokens, max_blocks_per_seq, hidden_size, dtype, device):
+    def __init__(self, model, max_tokens, max_seqs, max_blocks_per_seq, hidden_size, dtype, device):
         buckets = token_buckets(max_tokens)
         t = buckets[-1]
-        # lengths: seq_lens [2] and cu_seqlens_q [3]
-        super().__init__(model, buckets, t, 5, 2, max_blocks_per_seq, hidden_size, dtype, device)
+        self.max_seqs = max_seqs
+        # lengths: seq_lens [max_seqs + 1] and cu_seqlens_q [max_seqs + 2] (the last sequence pads)
+        super().__init__(model, buckets, t, 2 * max_seqs + 3, max_seqs + 1, max_blocks_per_seq, hidden_size, dtype,
+                         device)
 
     def fits(self, n: int, context: Context) -> bool:
-        return len(context.seq_lens) == 1 and super().fits(n, context)
+        return context.num_decodes == 0 and len(context.seq_lens) <= self.max_seqs and super().fits(n, context)
 
     def run(self, input_ids, positions, context):
         """Replay the smallest graph that holds the step's n tokens; returns hidden states [n, hidden] and None
         (no logits: the step's caller computes those of the rows it needs)."""
-        n = input_ids.shape[0]
+        n, b, s = input_ids.shape[0], len(context.seq_lens), self.max_seqs
         t = self._bucket(n)
-        self._upload(n, input_ids, positions, context, [int(context.seq_lens[0]), t - n, 0, n, t])
+        empty = s - b
+        lengths = np.concatenate([context.seq_lens.numpy(), np.zeros(empty, np.int32), [t - n],
+                                  context.cu_seqlens_q.numpy(), np.full(empty, n, np.int32), [t]])
+        self._upload(n, input_ids, positions, context, lengths)
         self.graphs[t].replay()
         return self.hidden[:n], None
 
     def _fill_for_capture(self, t):
-        self.lengths.copy_(torch.tensor([t, 0, 0, t, t], dtype=torch.int32))  # one sequence of t tokens
+        # one sequence of t tokens; the other slots empty, the padding sequence too
+        s = self.max_seqs
+        seq_lens = [t] + [0] * s
+        cu = [0] + [t] * (s + 1)
+        self.lengths.copy_(torch.tensor(seq_lens + cu, dtype=torch.int32))
 
     def _context(self, t, warm_up):
         # prefill_attention memoizes its tile map per cu_seqlens_q tensor: the warm-up gets a copy,
         # so the captured graph computes the map itself instead of reusing the warm-up's tensors
-        cu = self.lengths[2:].clone() if warm_up else self.lengths[2:]
+        s = self.max_seqs + 1
+        cu = self.lengths[s:].clone() if warm_up else self.lengths[s:]
         return Context(slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables,
-                       seq_lens=self.lengths[:2], cu_seqlens_q=cu)
+                       seq_lens=self.lengths[:s], cu_seqlens_q=cu)

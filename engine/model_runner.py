@@ -19,8 +19,9 @@ from eightbit.engine.transfer import host_tensor_to_device, to_device
 from eightbit.kernels.reference import v_cache_shape
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when scoring
-# A step with more prefill sequences, or more prefill tokens, runs eagerly: each replay reads the weights again,
-# and past these the eager step is bound by the GPU, not the host (ModelRunner._run_split_graphs)
+PREFILL_GRAPH_SEQS = 8  # sequences a prefill graph takes
+# A step no one graph takes splits into one replay per part (ModelRunner._run_split_graphs); past these it runs
+# eagerly: each replay reads the weights again, and a step of many tokens is bound by the GPU, not the host
 MAX_PREFILL_REPLAYS = 4
 MAX_SPLIT_TOKENS = 2048
 
@@ -93,6 +94,19 @@ def prefill_inputs(lens, blocks_per_seq, block_size):
     return torch.zeros(len(positions), dtype=torch.int64), positions, context
 
 
+def pack_sequences(cu, max_seqs, max_tokens):
+    """Sequences with token offsets cu, in order, as runs of at most max_seqs sequences and max_tokens tokens each:
+    [(first, end)] (sequences first..end-1), as few as in order they can be; None if one alone has more tokens."""
+    runs, first = [], 0
+    for end in range(1, len(cu)):
+        if cu[end] - cu[end - 1] > max_tokens:
+            return None
+        if end - first > max_seqs or cu[end] - cu[first] > max_tokens:
+            runs.append((first, end - 1))
+            first = end - 1
+    return runs + [(first, len(cu) - 1)]
+
+
 class ModelRunner:
     def __init__(self, model, block_size, device):
         self.model = model
@@ -103,8 +117,8 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None  # CUDA graphs once captured (CUDA only)
 
     def capture_graphs(self, max_batch, max_model_len, max_prefill_tokens):
-        """Decode graphs for batches up to max_batch; prefill graphs for one sequence of up to
-        max_prefill_tokens new tokens (none if that is below the smallest bucket)."""
+        """Decode graphs for batches up to max_batch; prefill graphs for up to PREFILL_GRAPH_SEQS sequences of up
+        to max_prefill_tokens new tokens in all (none if that is below the smallest bucket)."""
         from eightbit.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
 
         shape = (-(-max_model_len // self.block_size), self.model.config.hidden_size,
@@ -112,7 +126,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, max_batch, *shape)
         pool = self.decode_graphs.capture()
         if token_buckets(max_prefill_tokens):
-            self.prefill_graphs = PrefillGraphs(self.model, max_prefill_tokens, *shape)
+            self.prefill_graphs = PrefillGraphs(self.model, max_prefill_tokens, PREFILL_GRAPH_SEQS, *shape)
             self.prefill_graphs.capture(pool)
 
     @torch.inference_mode()
@@ -171,33 +185,36 @@ class ModelRunner:
         return graphs.run(input_ids, positions, context)
 
     def _run_split_graphs(self, input_ids, positions, context):
-        """A step no one graph takes (one-token sequences beside prefill sequences, or several prefill sequences) as
-        one replay of the decode graph for the one-token sequences and one of the prefill graph per prefill
-        sequence: (hidden states of every row, logits of the one-token rows or None), or None if a part fits no
-        graph or the step has more than MAX_PREFILL_REPLAYS prefill sequences or MAX_SPLIT_TOKENS prefill tokens.
+        """A step no one graph takes (one-token sequences beside prefill sequences, or more prefill sequences or
+        tokens than one prefill graph holds) as one replay of the decode graph for the one-token sequences and one of
+        the prefill graph per run of prefill sequences it holds: (hidden states of every row, logits of the
+        one-token rows or None), or None if a sequence fits no graph or the step needs more than
+        MAX_PREFILL_REPLAYS prefill replays or has more than MAX_SPLIT_TOKENS prefill tokens.
 
         Run eagerly, such a step costs about 1 ms of host time a layer; each replay reads the weights once more,
         a fraction of that for a short sequence (~3.5 ms for Llama-3-8B). On an H200 (docs/benchmarks/engine.md,
-        run 81) steps of up to 4 prompts and 2,048 prefill tokens ran 1.1-16x faster so; 8 short prompts broke even
-        on Llama-3-8B (0.90-1.43x), and 4-8 prompts of 4,096 tokens ran up to 1.35x slower. Each graph writes its
+        runs 81-82) up to 4 replays and 2,048 prefill tokens ran 1.1-16x faster so; 8 replays of short prompts broke
+        even on Llama-3-8B, and 4-8 replays of 4,096 tokens in all ran up to 1.35x slower. Each graph writes its
         own static buffers, so a part's hidden states are copied out before the next replay."""
         nd, n = context.num_decodes, len(input_ids)
-        num_prefills = len(context.seq_lens) - nd
-        if (self.prefill_graphs is None or not 0 < num_prefills <= MAX_PREFILL_REPLAYS or n - nd > MAX_SPLIT_TOKENS
+        if (self.prefill_graphs is None or nd == len(context.seq_lens) or n - nd > MAX_SPLIT_TOKENS
                 or (nd and self.decode_graphs is None)):
             return None
-        (tables_d, lens_d), (tables_p, lens_p) = context.decode_part, context.prefill_part
         cu = context.cu_seqlens_q.tolist()
+        runs = pack_sequences(cu, self.prefill_graphs.max_seqs, self.prefill_graphs.buckets[-1])
+        if runs is None or len(runs) > MAX_PREFILL_REPLAYS:
+            return None
+        (tables_d, lens_d), (tables_p, lens_p) = context.decode_part, context.prefill_part
         parts = []  # (graphs, rows, context) of each replay
         if nd:
             parts.append((self.decode_graphs, slice(0, nd), Context(
                 slot_mapping=context.slot_mapping[:nd], block_tables=tables_d, seq_lens=lens_d,
                 cu_seqlens_q=torch.zeros(1, dtype=torch.int32), num_decodes=nd, prefill_width=0)))
-        for i in range(num_prefills):
-            rows = slice(nd + cu[i], nd + cu[i + 1])
+        for a, b in runs:  # prefill sequences a..b-1
+            rows = slice(nd + cu[a], nd + cu[b])
             parts.append((self.prefill_graphs, rows, Context(
-                slot_mapping=context.slot_mapping[rows], block_tables=tables_p[i : i + 1], seq_lens=lens_p[i : i + 1],
-                cu_seqlens_q=torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32), num_decodes=0,
+                slot_mapping=context.slot_mapping[rows], block_tables=tables_p[a:b], seq_lens=lens_p[a:b],
+                cu_seqlens_q=torch.tensor(cu[a : b + 1], dtype=torch.int32) - cu[a], num_decodes=0,
                 prefill_width=tables_p.shape[1])))
         if not all(graphs.fits(rows.stop - rows.start, part) for graphs, rows, part in parts):
             return None

@@ -1,5 +1,6 @@
-"""What new prompts cost when they arrive: the step that takes them as graph replays (one per part,
-ModelRunner._run_split_graphs) against the same step run eagerly, in one process on one engine.
+"""What new prompts cost when they arrive: the step that takes them run eagerly, as graph replays of one prompt each,
+and as the engine runs it (a prefill graph holds up to 8 prompts; ModelRunner._run_graph and _run_split_graphs),
+in one process on one engine.
 
 python scripts/gpu_arrivals.py MODEL   (llama-3.2-1b, llama-3-8b, ...: eightbit-int8 on dummy weights; one model a
 process, as the engine takes most of the GPU's memory)
@@ -20,12 +21,16 @@ import time
 import torch
 
 from eightbit import SamplingParams
+from eightbit.engine import model_runner
+from eightbit.engine.cuda_graphs import PrefillGraphs
 from eightbit.eval.bench_engine import build_llm
 
 CASES = [(1, 128), (2, 32), (2, 128), (2, 512), (4, 32), (4, 128), (4, 512), (4, 1024), (8, 32), (8, 128),
-         (8, 512), (8, 1024)]
+         (8, 512), (8, 1024), (16, 32), (16, 128)]
 REPEATS = 5
 BUSY = 32
+MODES = ("eager", "one", "multi")
+_pack = model_runner.pack_sequences
 
 
 def _prompts(gen, count, n, vocab):
@@ -56,13 +61,20 @@ def _drain(eng):
 
 
 class _Modes:
-    """Switches the runner between splitting steps into graph replays and running them eagerly."""
+    """Switches what runs a step with prompts in it: "eager" (no graph; decode steps still replay theirs), "one"
+    (a prefill replay takes one prompt, as before the prefill graphs took several) or "multi" (the engine's)."""
 
     def __init__(self, runner):
-        self.runner, self.split = runner, runner._run_split_graphs
+        self.runner, self.graphs = runner, runner.prefill_graphs
 
     def set(self, mode):
-        self.runner._run_split_graphs = self.split if mode == "split" else (lambda *args: None)
+        g = self.graphs
+        self.runner.prefill_graphs = None if mode == "eager" else g
+        g.__dict__.pop("fits", None)
+        model_runner.pack_sequences = _pack
+        if mode == "one":
+            g.fits = lambda n, context: len(context.seq_lens) == 1 and PrefillGraphs.fits(g, n, context)
+            model_runner.pack_sequences = lambda cu, max_seqs, max_tokens: _pack(cu, 1, max_tokens)
 
 
 def run(model, cases=CASES, repeats=REPEATS, busy=BUSY, **options):
@@ -75,13 +87,13 @@ def run(model, cases=CASES, repeats=REPEATS, busy=BUSY, **options):
         for p in prompts:
             eng.add_request(f"r{next(ids)}", p, params, final_only=True)
 
-    for mode in ("split", "eager"):  # warm-up
+    for mode in MODES:  # warm-up
         modes.set(mode)
         add(_prompts(gen, 2, 16, vocab), one)
         _drain(eng)
     rows = []
     for count, n in cases:
-        idle = {"split": [], "eager": []}
+        idle = {mode: [] for mode in MODES}
         for _ in range(repeats):
             for mode in idle:
                 modes.set(mode)
@@ -93,7 +105,7 @@ def run(model, cases=CASES, repeats=REPEATS, busy=BUSY, **options):
     add(_prompts(gen, busy, 128, vocab), long)
     _steps(eng, 30)
     for count, n in cases:
-        extra = {"split": [], "eager": []}
+        extra = {mode: [] for mode in MODES}
         for _ in range(repeats):
             for mode in extra:
                 modes.set(mode)
@@ -102,7 +114,7 @@ def run(model, cases=CASES, repeats=REPEATS, busy=BUSY, **options):
                 extra[mode].append(_timed(lambda: (add(prompts, one), _steps(eng, 4))) - plain)
         rows.append({"case": f"busy {busy}", "prompts": count, "len": n,
                      **{m: statistics.median(v) for m, v in extra.items()}})
-    modes.set("split")
+    modes.set("multi")
     for request_id in list(eng.requests):
         eng.abort(request_id)
     _drain(eng)
@@ -116,10 +128,11 @@ def main():
         json.dump(rows, f, indent=1)
     print(f"{model} on {torch.cuda.get_device_name()}; ms: idle = until every prompt has its first token, busy = the "
           f"arrivals' extra time over four steps beside {BUSY} decoding requests")
-    print("| case | prompts x tokens | eager ms | split ms | eager / split |\n|---|---|---:|---:|---:|")
+    print("| case | prompts x tokens | eager ms | one ms | multi ms | eager / multi | one / multi |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        ratio = r["eager"] / r["split"] if r["split"] > 0 else float("nan")
-        print(f"| {r['case']} | {r['prompts']} x {r['len']} | {r['eager']:.2f} | {r['split']:.2f} | {ratio:.2f} |")
+        e, o, m = r["eager"], r["one"], r["multi"]
+        print(f"| {r['case']} | {r['prompts']} x {r['len']} | {e:.2f} | {o:.2f} | {m:.2f} | {e / m:.2f} | {o / m:.2f} |")
 
 
 if __name__ == "__main__":

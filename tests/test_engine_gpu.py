@@ -86,9 +86,9 @@ def _assert_close_runs(want, got, prompt_tol):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gpu_split_steps_replay_graphs_as_eager(name, monkeypatch):
-    """Steps of decodes beside prompt chunks, and of several prompts, replay the decode graph and the prefill graph
-    once per prompt (ModelRunner._run_split_graphs): prompt log-probs, tokens and log-probs as an eager engine's on
-    the same schedule (a small token budget, so prompts are chunked while others decode)."""
+    """Steps of several prompts replay one prefill graph; steps of decodes beside prompt chunks replay the decode
+    graph and the prefill graph (ModelRunner._run_split_graphs): prompt log-probs, tokens and log-probs as an eager
+    engine's on the same schedule (a small token budget, so prompts are chunked while others decode)."""
     gc.collect()
     torch.cuda.empty_cache()
     opts = dict(load_format="dummy", gpu_memory_utilization=0.2, max_num_batched_tokens=64, **CONFIGS[name])
@@ -100,19 +100,25 @@ def test_gpu_split_steps_replay_graphs_as_eager(name, monkeypatch):
     gc.collect()
     torch.cuda.empty_cache()
 
-    split = []  # (one-token sequences, prefill sequences) of each step run as replays
-    real = ModelRunner._run_split_graphs
+    split, prefill_seqs = [], []  # (one-token sequences, prefill sequences) of the steps run as replays
+    real_split, real_prefill = ModelRunner._run_split_graphs, PrefillGraphs.run
 
     def run_split(self, input_ids, positions, context):
-        out = real(self, input_ids, positions, context)
+        out = real_split(self, input_ids, positions, context)
         if out is not None:
             split.append((context.num_decodes, len(context.seq_lens) - context.num_decodes))
         return out
 
+    def run_prefill(self, input_ids, positions, context):
+        prefill_seqs.append(len(context.seq_lens))
+        return real_prefill(self, input_ids, positions, context)
+
     monkeypatch.setattr(ModelRunner, "_run_split_graphs", run_split)
+    monkeypatch.setattr(PrefillGraphs, "run", run_prefill)
     llm = LLM("llama-tiny", **opts)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert any(d and p == 1 for d, p in split) and any(p > 1 for d, p in split), split
+    assert any(d and p == 1 for d, p in split) and any(d and p > 1 for d, p in split), split
+    assert max(prefill_seqs) > 1, prefill_seqs
     _assert_close_runs(want, got, 2e-2 if name == "bf16" else 2e-3)
 
 

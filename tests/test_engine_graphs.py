@@ -8,11 +8,13 @@ and log-probs as its plain eager path, and padding must never write to the cache
 (`tests/test_engine_gpu.py` checks the real graphs on a GPU.)
 """
 
+import pytest
 import torch
 
 from eightbit import LLM, SamplingParams
 from eightbit.engine.context import reset_context, set_context
 from eightbit.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, batch_buckets, token_buckets
+from eightbit.engine.model_runner import PREFILL_GRAPH_SEQS, pack_sequences
 from eightbit.kernels.reference import v_token_major
 
 OPTIONS = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
@@ -32,12 +34,12 @@ class EagerReplay:
             reset_context()
 
 
-def _with_fake_graphs(llm, max_batch, max_prefill):
+def _with_fake_graphs(llm, max_batch, max_prefill, max_seqs=PREFILL_GRAPH_SEQS):
     runner = llm.engine.runner
     shape = (-(-llm.engine.max_model_len // runner.block_size), runner.model.config.hidden_size,
              torch.float32, runner.device)
     runner.decode_graphs = DecodeGraphs(runner.model, max_batch, *shape)
-    runner.prefill_graphs = PrefillGraphs(runner.model, max_prefill, *shape)
+    runner.prefill_graphs = PrefillGraphs(runner.model, max_prefill, max_seqs, *shape)
     replays = []
     for graphs in (runner.decode_graphs, runner.prefill_graphs):
         graphs.graphs = {size: EagerReplay(graphs, size) for size in graphs.buckets}
@@ -62,7 +64,18 @@ def test_buckets():
     assert token_buckets(10) == []
 
 
-def test_graph_padding_matches_eager_cpu():
+def test_pack_sequences():
+    # token offsets of sequences of 5, 3, 9 and 2 tokens
+    cu = [0, 5, 8, 17, 19]
+    assert pack_sequences(cu, 8, 1024) == [(0, 4)]
+    assert pack_sequences(cu, 2, 1024) == [(0, 2), (2, 4)]
+    assert pack_sequences(cu, 8, 9) == [(0, 2), (2, 3), (3, 4)]
+    assert pack_sequences(cu, 8, 8) is None  # the 9-token sequence fits no graph
+    assert pack_sequences([0, 4], 1, 4) == [(0, 1)]
+
+
+@pytest.mark.parametrize("max_seqs, batch_replays", [(PREFILL_GRAPH_SEQS, [30]), (2, [19, 11])])
+def test_graph_padding_matches_eager_cpu(max_seqs, batch_replays):
     scored = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     cached = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
     requests = [([_prompt(i, n)], scored) for i, n in enumerate((1, 5, 16, 17, 40, 200, 300))]
@@ -73,13 +86,13 @@ def test_graph_padding_matches_eager_cpu():
     ref = LLM("llama-tiny", **OPTIONS)
     want = [ref.generate(p, sp, use_tqdm=False) for p, sp in requests]
     llm = LLM("llama-tiny", **OPTIONS)
-    replays = _with_fake_graphs(llm, max_batch=8, max_prefill=256)
+    replays = _with_fake_graphs(llm, max_batch=8, max_prefill=256, max_seqs=max_seqs)
     got = [llm.generate(p, sp, use_tqdm=False) for p, sp in requests]
 
     prefills = sorted(n for kind, n in replays if kind == "PrefillGraphs")
-    # one-sequence prefills up to 256 tokens, and the batch of 3 as one replay per prompt (300 runs eagerly;
-    # a 1-token prompt is a decode step)
-    assert prefills == sorted([5, 16, 17, 40, 200, 100, 20, 9, 10, 11])
+    # prefills up to 256 tokens, the batch of 3 in as few replays as max_seqs allows (300 runs eagerly; a 1-token
+    # prompt is a decode step)
+    assert prefills == sorted([5, 16, 17, 40, 200, 100, 20] + batch_replays)
     assert ("DecodeGraphs", 3) in replays and ("DecodeGraphs", 1) in replays
     for (prompts, _), w_outs, g_outs in zip(requests, want, got):
         for p, w, g in zip(prompts, w_outs, g_outs):
@@ -98,12 +111,14 @@ def test_prefill_padding_writes_nowhere_cpu():
     cache = llm.engine.runner.kv_cache
     cache.k.zero_()
     cache.v.zero_()
-    llm.generate([_prompt(0, 20)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    # 20 tokens padded to the 32-token bucket: exactly 20 slots (all in the first 2 blocks) were written, in K and
-    # V of every layer
-    table = llm.engine.runner.prefill_graphs.block_tables[0, :2].tolist()
+    lens = (20, 7)
+    llm.generate([_prompt(i, n) for i, n in enumerate(lens)], SamplingParams(temperature=0, max_tokens=1),
+                 use_tqdm=False)
+    # two prompts in one replay, 27 tokens padded to the 32-token bucket: exactly their 27 slots were written, in
+    # K and V of every layer
     bs = llm.engine.runner.block_size
-    want = sorted(b * bs + o for b in table for o in range(bs) if (table.index(b) * bs + o) < 20)
+    tables = llm.engine.runner.prefill_graphs.block_tables
+    want = sorted(int(tables[r, p // bs]) * bs + p % bs for r, n in enumerate(lens) for p in range(n))
     assert cache.k.shape[0] == llm.engine.runner.model.config.num_hidden_layers
     for layer in range(cache.k.shape[0]):
         for name, c in (("K", cache.k[layer]), ("V", v_token_major(cache.k[layer], cache.v[layer]))):

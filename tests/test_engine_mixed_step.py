@@ -125,13 +125,17 @@ def test_every_layer_of_a_mixed_step_passes_the_kernels_the_same_metadata(monkey
 
 class _EagerGraphs:
     """Stands in for a runner's captured CUDA graphs on the CPU: takes every step of its kind (decode: one token a
-    sequence; prefill: one sequence) and runs it eagerly, returning what the graphs return."""
+    sequence; prefill: up to max_seqs sequences of up to max_tokens tokens in all) and runs it eagerly, returning
+    what the graphs return."""
 
-    def __init__(self, runner, decode):
+    def __init__(self, runner, decode, max_seqs=8, max_tokens=1024):
         self.runner, self.decode, self.steps = runner, decode, []
+        self.max_seqs, self.buckets = max_seqs, [max_tokens]
 
     def fits(self, n, context):
-        return context.is_decode if self.decode else len(context.seq_lens) == 1
+        if self.decode:
+            return context.is_decode
+        return context.num_decodes == 0 and len(context.seq_lens) <= self.max_seqs and n <= self.buckets[-1]
 
     def run(self, input_ids, positions, context):
         self.steps.append(len(input_ids))
@@ -139,17 +143,18 @@ class _EagerGraphs:
         return hidden, self.runner.model.compute_logits(hidden) if self.decode else None
 
 
-@pytest.mark.parametrize("limits", [None, (3, 7), (2, 8)])
-def test_steps_split_into_graph_replays_match_requests_run_alone(limits, monkeypatch):
-    """A step of decodes beside prefill sequences, or of several prefill sequences, runs as the decode graph's replay
-    and one prefill-graph replay per prefill sequence (ModelRunner._run_split_graphs): every request's tokens and
-    log-probs as when it runs alone, prompt log-probs included, with the logits of the decode rows taken from the
-    decode graph and the prefill rows' computed. limits: (prefill sequences, prefill tokens) past which a step runs
+@pytest.mark.parametrize("graph_seqs, limits", [(1, None), (8, None), (2, None), (1, (3, 7)), (1, (2, 8))])
+def test_steps_split_into_graph_replays_match_requests_run_alone(graph_seqs, limits, monkeypatch):
+    """A step no one graph takes (decodes beside prefill sequences, or more prefill sequences than a prefill graph
+    holds) runs as the decode graph's replay and one prefill-graph replay per run of prefill sequences
+    (ModelRunner._run_split_graphs): every request's tokens and log-probs as when it runs alone, prompt log-probs
+    included, with the logits of the decode rows taken from the decode graph and the prefill rows' computed.
+    graph_seqs: sequences a prefill graph takes; limits: (prefill replays, prefill tokens) past which a step runs
     eagerly, lowered so that this schedule meets them (None: the engine's)."""
     if limits:
         monkeypatch.setattr(model_runner, "MAX_PREFILL_REPLAYS", limits[0])
         monkeypatch.setattr(model_runner, "MAX_SPLIT_TOKENS", limits[1])
-    max_prefills, max_tokens = limits or (model_runner.MAX_PREFILL_REPLAYS, model_runner.MAX_SPLIT_TOKENS)
+    max_replays, max_tokens = limits or (model_runner.MAX_PREFILL_REPLAYS, model_runner.MAX_SPLIT_TOKENS)
     options = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
     prompts = [[(7 * i + 5 * j) % 900 + 1 for j in range(n)] for i, n in enumerate((4, 21, 2, 13, 3))]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
@@ -157,8 +162,9 @@ def test_steps_split_into_graph_replays_match_requests_run_alone(limits, monkeyp
     want = [alone.generate([p], params, use_tqdm=False)[0] for p in prompts]
     llm = LLM("llama-tiny", max_num_batched_tokens=8, **options)
     runner = llm.engine.runner
-    runner.decode_graphs, runner.prefill_graphs = _EagerGraphs(runner, True), _EagerGraphs(runner, False)
-    steps = []  # (one-token sequences, prefill sequences, prefill tokens, run as replays) of each step no graph fits
+    runner.decode_graphs = _EagerGraphs(runner, True)
+    runner.prefill_graphs = _EagerGraphs(runner, False, max_seqs=graph_seqs)
+    steps = []  # (one-token sequences, prefill sequences, prefill tokens, run as replays) of each step no graph took
     real_split = runner._run_split_graphs
 
     def run_split(input_ids, positions, context):
@@ -170,9 +176,11 @@ def test_steps_split_into_graph_replays_match_requests_run_alone(limits, monkeyp
     runner._run_split_graphs = run_split
     got = llm.generate(prompts, params, use_tqdm=False)
     split = [s for s in steps if s[3]]
+    replays = lambda p: -(-p // graph_seqs)  # this schedule's steps have at most 8 tokens: runs by count alone
     assert any(d and p == 1 for d, p, _, _ in split), steps
-    assert any(p > 1 for d, p, _, _ in split), steps
-    assert all((p <= max_prefills and t <= max_tokens) == replayed for d, p, t, replayed in steps), steps
+    if graph_seqs < 3:  # else every step of prefill sequences alone fits one graph
+        assert any(p > graph_seqs for d, p, _, _ in split), steps
+    assert all((replays(p) <= max_replays and t <= max_tokens) == replayed for d, p, t, replayed in steps), steps
     assert len(split) < len(steps) if limits else len(split) == len(steps), steps
     assert runner.decode_graphs.steps and runner.prefill_graphs.steps
     for g, w in zip(got, want):
