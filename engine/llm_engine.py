@@ -34,7 +34,7 @@ from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme
 
 CPU_KV_CACHE_GB = 1.0
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
-MAX_GRAPH_PREFILL = 1024  # one-sequence prefills of more new tokens run eagerly (they are GPU-bound)
+MAX_GRAPH_PREFILL = 1024  # the prefill graphs' largest bucket; a longer prompt chunk runs eagerly (GPU-bound)
 GRAPH_RESERVE_BYTES = 512 * 2**20  # CUDA graphs' own pool and workspace, kept out of the KV budget
 
 

@@ -134,7 +134,7 @@ class ModelRunner:
         """Launch every int8 linear's GEMM once per kernel variant it can meet up to max_tokens rows, on zeros.
 
         Triton compiles a variant (a config, and its specializations of M), or loads it from its disk cache, the
-        first time a step needs it. Decode and one-sequence prefill graphs meet theirs at capture; eager steps of
+        first time a step needs it. Decode and prefill graphs meet theirs at capture; eager steps of
         other sizes did not, and a served Llama-3.2-1B compiled 14 variants at its first such steps, 0.4-1 s each
         (docs/benchmarks.md, thirtieth session). Run before the KV cache is allocated: the largest output is as
         big as that of the profiled step."""
@@ -192,10 +192,10 @@ class ModelRunner:
         MAX_PREFILL_REPLAYS prefill replays or has more than MAX_SPLIT_TOKENS prefill tokens.
 
         Run eagerly, such a step costs about 1 ms of host time a layer; each replay reads the weights once more,
-        a fraction of that for a short sequence (~3.5 ms for Llama-3-8B). On an H200 (docs/benchmarks/engine.md,
-        runs 81-82) up to 4 replays and 2,048 prefill tokens ran 1.1-16x faster so; 8 replays of short prompts broke
-        even on Llama-3-8B, and 4-8 replays of 4,096 tokens in all ran up to 1.35x slower. Each graph writes its
-        own static buffers, so a part's hidden states are copied out before the next replay."""
+        a fraction of that for short prompts (~3.5 ms for Llama-3-8B on an H200). There (docs/benchmarks/engine.md,
+        runs 81-82) steps within the limits ran 1.8-25x faster than eagerly; one prompt a replay, 8 replays of short
+        prompts broke even on Llama-3-8B, and 4-8 replays of 4,096 tokens in all ran up to 1.35x slower. Each graph
+        writes its own static buffers, so a part's hidden states are copied out before the next replay."""
         nd, n = context.num_decodes, len(input_ids)
         if (self.prefill_graphs is None or nd == len(context.seq_lens) or n - nd > MAX_SPLIT_TOKENS
                 or (nd and self.decode_graphs is None)):
