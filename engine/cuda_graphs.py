@@ -148,7 +148,8 @@ class PrefillGraphs(_Graphs):
     """The prefill of up to max_seqs sequences (whole prompts, or chunks after cached context) of up to max_tokens
     new tokens in all. The bucket's remaining rows form one more, padding sequence: its tokens write nowhere (slot
     -1), read keys of block 0 (its block-table row stays zero) and their output rows are dropped; the sequence
-    slots a step leaves unused are empty (no new tokens, length 0: no attention tile reads them). So the real
+    slots a step leaves unused are empty (no new tokens, length 0), so no attention tile reads their block-table
+    rows, which keep an earlier step's entries (clearing them would add a copy to every replay). So the real
     sequences' rows compute what an eager step does, by the kernels a capture allows: over an int8 cache a long
     eager prefill attends through a dequantized float copy (prefill_attention's via-float path, not capturable), a
     replay through the int8 Triton kernel, so the two agree within float rounding, not bit for bit.
@@ -172,7 +173,7 @@ class PrefillGraphs(_Graphs):
         t = self._bucket(n)
         empty = s - b
         lengths = np.concatenate([context.seq_lens.numpy(), np.zeros(empty, np.int32), [t - n],
-                                  context.cu_seqlens_q.numpy(), np.full(empty, n, np.int32), [t]])
+                                  context.cu_seqlens_q.numpy(), np.full(empty, n, np.int32), [t]]).astype(np.int32)
         self._upload(n, input_ids, positions, context, lengths)
         self.graphs[t].replay()
         return self.hidden[:n], None

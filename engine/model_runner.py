@@ -95,8 +95,8 @@ def prefill_inputs(lens, blocks_per_seq, block_size):
 
 
 def pack_sequences(cu, max_seqs, max_tokens):
-    """Sequences with token offsets cu, in order, as runs of at most max_seqs sequences and max_tokens tokens each:
-    [(first, end)] (sequences first..end-1), as few as in order they can be; None if one alone has more tokens."""
+    """Sequences with token offsets cu, in order, as the fewest runs (greedy) of at most max_seqs sequences and
+    max_tokens tokens each: [(first, end)] (sequences first..end-1); None if one alone has more than max_tokens."""
     runs, first = [], 0
     for end in range(1, len(cu)):
         if cu[end] - cu[end - 1] > max_tokens:

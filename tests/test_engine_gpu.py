@@ -1,9 +1,10 @@
 """The engine's CUDA graphs against its eager path (GPU only: `pytest -m gpu`).
 
 A graph pads its step (decode: to a batch bucket; prefill: to a token bucket, the padding
-rows forming a second sequence that writes nowhere), so these check that padding never
-reaches the real rows or another sequence's cache: prompt log-probs (every prompt position
-goes through the prefill graph) and greedy continuations must match an eager engine's.
+rows forming one more sequence that writes nowhere, after the unused sequence slots), so
+these check that padding never reaches the real rows or another sequence's cache: prompt
+log-probs (every prompt position goes through the prefill graph) and greedy continuations
+must match an eager engine's.
 """
 
 import gc

@@ -1,7 +1,8 @@
 """The CUDA-graph steps' padding, checked on the CPU.
 
 A graph runs its step from static buffers padded to a bucket: decode pads the batch with
-length-0 sequences, prefill pads the tokens with a second sequence whose slots are -1. On
+length-0 sequences, prefill pads the tokens with one more sequence whose slots are -1, after
+its sequence slots (those a step leaves unused are empty: no tokens, length 0). On
 the CPU nothing can be captured, so `EagerReplay` stands in for the graph and runs the same
 forward from the same buffers, with the reference ops; the engine must give the same tokens
 and log-probs as its plain eager path, and padding must never write to the cache.
@@ -107,13 +108,14 @@ def test_graph_padding_matches_eager_cpu(max_seqs, batch_replays):
 
 def test_prefill_padding_writes_nowhere_cpu():
     llm = LLM("llama-tiny", **OPTIONS)
-    _with_fake_graphs(llm, max_batch=4, max_prefill=64)
+    replays = _with_fake_graphs(llm, max_batch=4, max_prefill=64)
     cache = llm.engine.runner.kv_cache
     cache.k.zero_()
     cache.v.zero_()
     lens = (20, 7)
     llm.generate([_prompt(i, n) for i, n in enumerate(lens)], SamplingParams(temperature=0, max_tokens=1),
                  use_tqdm=False)
+    assert replays == [("PrefillGraphs", 27)]
     # two prompts in one replay, 27 tokens padded to the 32-token bucket: exactly their 27 slots were written, in
     # K and V of every layer
     bs = llm.engine.runner.block_size

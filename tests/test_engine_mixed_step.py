@@ -180,6 +180,8 @@ def test_steps_split_into_graph_replays_match_requests_run_alone(graph_seqs, lim
     assert any(d and p == 1 for d, p, _, _ in split), steps
     if graph_seqs < 3:  # else every step of prefill sequences alone fits one graph
         assert any(p > graph_seqs for d, p, _, _ in split), steps
+    elif not limits:  # decodes beside several prompt chunks: one prefill replay
+        assert any(d and p > 1 for d, p, _, _ in split), steps
     assert all((replays(p) <= max_replays and t <= max_tokens) == replayed for d, p, t, replayed in steps), steps
     assert len(split) < len(steps) if limits else len(split) == len(steps), steps
     assert runner.decode_graphs.steps and runner.prefill_graphs.steps

@@ -361,6 +361,28 @@ def test_prefill_int64_metadata_and_empty_sequence():
     close(out, R.prefill_attention(q, *sc.caches, *args), TOL[torch.float16])
 
 
+@cpu_only
+@pytest.mark.parametrize("cache", ["fp16", "int8-32"])
+def test_prefill_in_a_graphs_layout_skips_empty_slots(monkeypatch, cache):
+    """The layout of a prefill CUDA graph (engine/cuda_graphs.py, PrefillGraphs): the real sequences, then empty
+    slots (no new tokens, length 0) whose block-table rows hold a previous step's entries, then a padding sequence
+    over block 0. The real rows must be what the real sequences alone give: no tile may read an empty slot's row
+    (here out-of-range block ids, which a read would fault on or turn into garbage)."""
+    cache_dtype, group = _cache_args(cache, 64, torch.float16)
+    sc = Scenario([(40, 5), (9, 9), (70, 3)], 4, 2, 64, cache_dtype, group, seed=11)
+    slots, t, n = 8, 32, sc.T
+    tables = torch.zeros(slots + 1, sc.block_tables.shape[1], dtype=torch.int32)
+    tables[:3] = sc.block_tables
+    tables[3:slots] = 10**8  # stale entries of the unused slots
+    seq_lens = torch.tensor(sc.seq_lens.tolist() + [0] * (slots - 3) + [t - n], dtype=torch.int32)
+    cu = torch.tensor(sc.cu.tolist() + [n] * (slots - 3) + [t], dtype=torch.int32)
+    q = torch.randn(t, 4, 64, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    poison_alloc(monkeypatch)
+    out = prefill_attention(q, *sc.caches, tables, cu, seq_lens, 0.125)
+    close(out[:n], R.prefill_attention(q[:n], *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, 0.125),
+          TOL[torch.float16])
+
+
 # --- decode (CPU) ------------------------------------------------------------------------------
 
 DECODE_SEQS = [(300, 1), (1, 1), (37, 1), (64, 1), (129, 1)]
