@@ -23,7 +23,7 @@ import torch
 from eightbit import SamplingParams
 from eightbit.engine import model_runner
 from eightbit.engine.cuda_graphs import PrefillGraphs
-from eightbit.eval.bench_engine import build_llm
+from eightbit.eval.bench_engine import _sync, build_llm
 
 CASES = [(1, 128), (2, 32), (2, 128), (2, 512), (4, 32), (4, 128), (4, 512), (4, 1024), (8, 32), (8, 128),
          (8, 512), (8, 1024), (16, 32), (16, 128)]
@@ -37,16 +37,11 @@ def _prompts(gen, count, n, vocab):
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for _ in range(count)]
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn):
-    _sync()
+def _timed(fn, device):
+    _sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync()
+    _sync(device)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -80,7 +75,7 @@ class _Modes:
 def run(model, cases=CASES, repeats=REPEATS, busy=BUSY, **options):
     llm = build_llm("eightbit-int8", model, **{"max_num_seqs": 64, "max_model_len": 4096, **options})
     eng, gen, ids = llm.engine, torch.Generator().manual_seed(0), iter(range(10**9))
-    modes, vocab = _Modes(eng.runner), eng.hf_config.vocab_size
+    modes, vocab, device = _Modes(eng.runner), eng.hf_config.vocab_size, eng.config.device
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
 
     def add(prompts, params):
@@ -98,7 +93,7 @@ def run(model, cases=CASES, repeats=REPEATS, busy=BUSY, **options):
             for mode in idle:
                 modes.set(mode)
                 prompts = _prompts(gen, count, n, vocab)
-                idle[mode].append(_timed(lambda: (add(prompts, one), _drain(eng))))
+                idle[mode].append(_timed(lambda: (add(prompts, one), _drain(eng)), device))
         rows.append({"case": "idle", "prompts": count, "len": n, **{m: statistics.median(v) for m, v in idle.items()}})
 
     long = SamplingParams(max_tokens=100000, ignore_eos=True, temperature=0.0)
@@ -109,9 +104,9 @@ def run(model, cases=CASES, repeats=REPEATS, busy=BUSY, **options):
         for _ in range(repeats):
             for mode in extra:
                 modes.set(mode)
-                plain = _timed(lambda: _steps(eng, 4))
+                plain = _timed(lambda: _steps(eng, 4), device)
                 prompts = _prompts(gen, count, n, vocab)
-                extra[mode].append(_timed(lambda: (add(prompts, one), _steps(eng, 4))) - plain)
+                extra[mode].append(_timed(lambda: (add(prompts, one), _steps(eng, 4)), device) - plain)
         rows.append({"case": f"busy {busy}", "prompts": count, "len": n,
                      **{m: statistics.median(v) for m, v in extra.items()}})
     modes.set("multi")
