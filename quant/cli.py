@@ -103,11 +103,15 @@ def _config_only(src):
     """The source's config read without its weights, or None where open_checkpoint will say what is wrong."""
     from transformers import AutoConfig
 
+    from eightbit.engine import gguf_cache
     from eightbit.engine.weights import embedded_model_path
 
     try:
         path = embedded_model_path() if src is None else Path(src)
         if path.is_file() and path.suffix == ".gguf":
+            converted = gguf_cache.lookup(path)  # its config.json, without parsing the GGUF again
+            if converted is not None:
+                return AutoConfig.from_pretrained(converted)
             return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         if (path / "config.json").is_file():
             return AutoConfig.from_pretrained(path)

@@ -1,6 +1,8 @@
 """Shared fixtures: the embedded SmolLM2 as an HF transformers model (the reference) and as our engine."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +17,16 @@ def pytest_configure(config):
     os.environ.setdefault("TRITON_INTERPRET", "0" if selects_gpu and torch.cuda.is_available() else "1")
     # the tests hold the committed GEMM table: one named for an engine A/B (eval/ab_gemm_table.py) is not theirs
     os.environ.pop("EIGHTBIT_GEMM_TABLE", None)
+    # converted GGUFs (engine/gguf_cache.py) go to this run's own directory, not the user's cache; subprocesses
+    # inherit it, so the first process of the run converts the embedded model and the others read its copy
+    if "EIGHTBIT_CACHE" not in os.environ:
+        config.eightbit_cache = os.environ["EIGHTBIT_CACHE"] = tempfile.mkdtemp(prefix="eightbit-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "eightbit_cache", None):
+        shutil.rmtree(config.eightbit_cache, ignore_errors=True)
+        os.environ.pop("EIGHTBIT_CACHE", None)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,101 @@
+"""An on-disk copy of a GGUF checkpoint as transformers converts it, so that only the first open pays for it.
+
+transformers reads GGUF files in Python: the embedded SmolLM2 (98 MB) takes ~30 s on 2 cores to become a model, a
+config and a tokenizer, most of it parsing the file's metadata, once for each. The converted checkpoint (float32
+safetensors, config, generation config, tokenizer files) is written once under the cache directory and opened from
+then on as an HF checkpoint directory (`eightbit generate` on the embedded model: ~35 s the first time, ~10 s
+after).
+
+One entry per GGUF path, replaced when the file's size or modification time, the transformers version or this
+format changes. An entry is written to a temporary directory and renamed into place, so a crash, Ctrl-C or a second
+process converting at the same time never leaves a half-written one. Where the cache cannot be written (a
+read-only home, a full disk) the checkpoint is used from memory, with a warning.
+
+EIGHTBIT_CACHE: the cache directory (default $XDG_CACHE_HOME/eightbit, else ~/.cache/eightbit); "off" turns it off.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+FORMAT = 1  # bump when what an entry holds changes: older entries are then converted again
+SOURCE_FILE = "source.json"  # written last: what the entry was made from
+
+
+def cache_root() -> Path | None:
+    value = os.environ.get("EIGHTBIT_CACHE")
+    if value is not None:
+        return None if value.strip().lower() in ("", "off", "0", "none") else Path(value)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "eightbit"
+
+
+def entry_dir(gguf: Path) -> Path | None:
+    """Where the converted copy of this GGUF file lives (None: the cache is off)."""
+    root = cache_root()
+    if root is None:
+        return None
+    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:16]
+    return root / "gguf" / f"{gguf.stem}-{digest}"
+
+
+def _source(gguf: Path) -> dict:
+    import transformers
+
+    stat = gguf.stat()
+    return {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "transformers": transformers.__version__, "format": FORMAT}
+
+
+def lookup(gguf: Path) -> Path | None:
+    """The entry converted from this very file, or None."""
+    entry = entry_dir(gguf)
+    try:
+        if entry is not None and json.loads((entry / SOURCE_FILE).read_text()) == _source(gguf):
+            return entry
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def store(gguf: Path, write) -> Path | None:
+    """Make the entry of this GGUF file: write(directory) fills a temporary directory, which then replaces any
+    stale entry. Returns the entry, or None (with a warning) where it could not be written."""
+    entry = entry_dir(gguf)
+    if entry is None:
+        return None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    except OSError as e:
+        return _not_stored(gguf, entry, e)
+    try:
+        write(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps(_source(gguf)))
+    except Exception as e:  # the copy only saves time: whatever stops it must not stop the open
+        shutil.rmtree(tmp, ignore_errors=True)
+        return _not_stored(gguf, entry, e)
+    except BaseException:  # Ctrl-C: nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        if entry.exists():  # stale or damaged
+            shutil.rmtree(entry)
+        os.rename(tmp, entry)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if lookup(gguf) is not None:  # another process put its copy in place between the two steps
+            return entry
+        return _not_stored(gguf, entry, e)
+    return entry
+
+
+def _not_stored(gguf, entry, error):
+    warnings.warn(f"could not cache the converted {gguf.name} in {entry.parent} ({error}); it will be converted "
+                  "again next time (EIGHTBIT_CACHE sets another directory, EIGHTBIT_CACHE=off skips the cache)",
+                  stacklevel=3)
+    return None
