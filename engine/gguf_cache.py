@@ -19,11 +19,13 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 FORMAT = 1  # bump when what an entry holds changes: older entries are then converted again
 SOURCE_FILE = "source.json"  # written last: what the entry was made from
+ABANDONED_AFTER_S = 3600
 
 
 def cache_root() -> Path | None:
@@ -70,6 +72,7 @@ def store(gguf: Path, write) -> Path | None:
         return None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(entry)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     except OSError as e:
         return _not_stored(gguf, entry, e)
@@ -92,6 +95,17 @@ def store(gguf: Path, write) -> Path | None:
             return entry
         return _not_stored(gguf, entry, e)
     return entry
+
+
+def _remove_abandoned(entry):
+    """Temporary directories of this entry that a killed process left (older than ABANDONED_AFTER_S: a younger one
+    may be another process's write in progress)."""
+    for tmp in entry.parent.glob(f".{entry.name}.*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > ABANDONED_AFTER_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _not_stored(gguf, entry, error):

@@ -1,6 +1,8 @@
 """The on-disk copy of a converted GGUF (engine/gguf_cache.py): the same model, tokenizer and generation settings
 as transformers' own reading of the file; replaced when stale or damaged; never left half-written."""
 
+import os
+import time
 import warnings
 
 import pytest
@@ -147,3 +149,15 @@ def test_open_converts_once_and_again_only_when_the_copy_is_damaged(gguf, monkey
     ckpt, tensors = opened()
     assert len(conversions) == 2 and all(torch.equal(tensors[k], state[k]) for k in state)
     assert leftovers(gguf) == []
+
+
+def test_a_write_removes_what_a_killed_write_left_but_not_one_in_progress(gguf):
+    entry = gguf_cache.entry_dir(gguf)
+    abandoned, in_progress = entry.parent / f".{entry.name}.killed", entry.parent / f".{entry.name}.running"
+    for tmp in (abandoned, in_progress):
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(b"partial")
+    hours_ago = time.time() - 2 * gguf_cache.ABANDONED_AFTER_S
+    os.utime(abandoned, (hours_ago, hours_ago))
+    gguf_cache.store(gguf, write_marker("x"))
+    assert sorted(leftovers(gguf)) == [in_progress.name]
