@@ -145,10 +145,11 @@ def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         if t.any_top_p:
             probs = sorted_x.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-            # Drop a token once the tokens before it already reach top_p. The top token has
-            # mass_before 0 < top_p, so it always stays; rows with top_p == 1 drop nothing even if
-            # float rounding pushes the cumulative sum past 1.
+            # Drop a token once the tokens before it already reach top_p; rows with top_p == 1 drop nothing
+            # even if float rounding pushes the cumulative sum past 1. The top token always stays, also
+            # where a top_p below float32's range (1e-50) reached this tensor as 0.
             drop = (mass_before >= t.top_p.unsqueeze(1)) & (t.top_p < 1.0).unsqueeze(1)
+            drop[:, 0] = False
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
     if t.any_min_p:

@@ -54,6 +54,7 @@ LOGP4_PERM = [LOGP4[PERM.index(i)] for i in range(4)]  # token i has prob P4[PER
     (dict(top_k=0), [0, 1, 2, 3]),
     (dict(top_k=100), [0, 1, 2, 3]),
     (dict(top_p=0.45), [0]),           # the top token always stays
+    (dict(top_p=1e-300), [0]),         # also where top_p is 0 in float32
     (dict(top_p=0.75), [0, 1]),
     (dict(top_p=0.81), [0, 1, 2]),
     (dict(top_p=0.96), [0, 1, 2, 3]),
