@@ -300,6 +300,54 @@ def test_logprobs(client, offline):
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)  # greedy: the top token
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client, offline):
+    """OpenAI's legacy completions return the k most likely tokens and the sampled token's own: up to k + 1."""
+    tok = offline.get_tokenizer()
+    kw = dict(max_tokens=12, temperature=1.5, seed=3)
+    ref = offline.generate(PROMPTS[2], SamplingParams(logprobs=1, **kw), use_tqdm=False)[0].outputs[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], logprobs=1, **kw)
+    assert out.choices[0].text == ref.text
+    off_top = 0
+    for got, tid, entry in zip(out.choices[0].logprobs.top_logprobs, ref.token_ids, ref.logprobs):
+        best = max(entry, key=entry.get)
+        off_top += tid != best
+        assert got == pytest.approx({tok.decode([best]): entry[best], tok.decode([tid]): entry[tid]}, abs=1e-4)
+    assert off_top > 0  # the seed samples below the top token somewhere, so the rule is exercised
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], logprobs=0, **kw)
+    assert [list(t) for t in out.choices[0].logprobs.top_logprobs] == [[tok.decode([t])] for t in ref.token_ids]
+
+
+def test_null_means_the_default(server, client):
+    """OpenAI's schema lets these fields be null; a client that sends null gets the default, where max_tokens null
+    keeps its own meaning (as much as the context leaves)."""
+    body = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0, "n": None, "stream": None,
+            "echo": None, "ignore_eos": None, "stream_options": None, "presence_penalty": None}
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    ref = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=3, temperature=0)
+    assert [c["text"] for c in resp.json()["choices"]] == [ref.choices[0].text]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": None,
+            "n": None, "stream": None}
+    resp = post(server, "/v1/chat/completions", chat)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["logprobs"] is None, resp.text
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": None})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+
+
+def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
+    from eightbit.engine.server import api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    key = 'eightbit_http_responses_total{endpoint="/v1/completions",status="500"}'
+    before = metrics(server).get(key, 0)
+    monkeypatch.setattr(api, "_check_limits", broken)
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "internal_error"
+    assert metrics(server)[key] == before + 1
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 
@@ -332,6 +380,8 @@ def test_logprobs(client, offline):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": None,
                               "min_tokens": 5000}, 400, "min_tokens"),  # more than the context leaves
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 5000}, 400, "max_completion_tokens"),  # the field it came in
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt"),

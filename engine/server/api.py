@@ -378,7 +378,8 @@ def _check_template_kwargs(state: ServerState, kwargs: dict | None):
                        "(parameters of apply_chat_template)", param="chat_template_kwargs")
 
 
-def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None, min_tokens: int):
+def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None, min_tokens: int,
+                  max_tokens_param: str = "max_tokens"):
     for ids in prompts:
         if not ids:
             raise APIError("the prompt is empty", param="prompt")
@@ -389,7 +390,7 @@ def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int 
         if max_tokens is not None and len(ids) + max_tokens > state.max_model_len:
             raise APIError(f"this model's maximum context length is {state.max_model_len} tokens, but "
                            f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, {max_tokens} "
-                           f"max_tokens)", param="max_tokens", code="context_length_exceeded")
+                           f"{max_tokens_param})", param=max_tokens_param, code="context_length_exceeded")
         if len(ids) + min_tokens > state.max_model_len:  # with max_tokens null, what the context leaves
             raise APIError(f"min_tokens={min_tokens} does not fit this model's maximum context length of "
                            f"{state.max_model_len} tokens after the prompt's {len(ids)}", param="min_tokens",
@@ -458,7 +459,10 @@ def _completion_logprobs(state, token_ids, logprobs, k, offset) -> P.CompletionL
         s = text(tid)
         out.tokens.append(s)
         out.token_logprobs.append(entry[tid])
-        out.top_logprobs.append({text(t): lp for t, lp in _top(entry, k)})
+        # the k most likely and, as OpenAI's legacy API promises, the sampled token's own (up to k + 1)
+        top = {text(t): lp for t, lp in _top(entry, k)}
+        top.setdefault(s, entry[tid])
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(s)
     return out
@@ -643,7 +647,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         _check_limits(state, params, 1)
-        _check_length(state, [prompt], max_tokens, params.min_tokens)
+        _check_length(state, [prompt], max_tokens, params.min_tokens,
+                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         request_id = P.random_id("chatcmpl")
         gen = Generation(state, request_id, [prompt], params, raw_request, arrival)
         gen.start(every_step=bool(req.stream))
@@ -688,12 +693,22 @@ class _CountResponses:
         elif path not in self.ENDPOINTS:
             path = "other"
 
+        started = False
+
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.count_response(path, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            # an unhandled error: Starlette's outermost middleware, outside this one, turns it into the 500
+            if not started:
+                self.metrics.count_response(path, 500)
+            raise
 
 
 def _unsent(unsent: dict, key, c) -> tuple[list, list]:

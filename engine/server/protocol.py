@@ -7,10 +7,11 @@ skip_special_tokens) ride in the body, e.g. via the openai client's ``extra_body
 """
 
 import time
+import typing
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class APIError(Exception):
@@ -37,13 +38,31 @@ def now() -> int:
 # --- requests --------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request body: unknown fields ignored, and null taken as the default for an optional field whose type has
+    no null of its own (OpenAI's schema marks `n`, `stream`, `echo`, `logprobs` ... nullable, and clients send
+    `"n": null`); where the type has one (`max_tokens`: null is no limit), null keeps its meaning."""
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or _nullable(fields[k].annotation)}
+
+
+def _nullable(annotation) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(_Request):
 
     model: str | None = None
     n: int = 1
