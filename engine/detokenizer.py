@@ -18,9 +18,11 @@ class IncrementalDetokenizer:
     """Turns generated token ids into released text, holding back what is not final yet.
 
     Text is held back while it (a) ends in an incomplete UTF-8 character, or (b) could still be
-    the start of a stop string. ``text`` is all text released so far; once ``stopped`` is True
-    the text is cut just before the earliest stop-string occurrence (just after it with
-    ``include_stop``) and nothing more comes.
+    the start of a stop string. ``text`` is all text released so far. Generation stops at the first
+    token that completes a stop string, as in vLLM and OpenAI: ``stopped`` becomes True and the text
+    is cut just before the occurrence that ends first (of those ending at the same character, the one
+    starting first; just after it with ``include_stop``), and nothing more comes. Where it ends is a
+    property of the text, so the cut does not depend on how the text was split into tokens.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
@@ -71,24 +73,24 @@ class IncrementalDetokenizer:
         # it starts in text that came before (the first min_tokens tokens'). So that text, too, is held back
         # while it could start a stop string.
         found = [(i, s) for i, s in ((self._find(buf, s), s) for s in self.stop) if i >= 0] if check_stop else []
-        # the earliest occurrence; of stop strings starting there, the shortest (complete first, whatever the
-        # chunking of the tokens)
-        cut, stop_string = min(found, key=lambda f: (f[0], len(f[1])), default=(None, None))
-        # Earliest position from which the rest of buf is a proper prefix of some stop string:
-        # a stop string may still start there, so nothing from there on can be released yet.
-        hold = len(buf)
-        if not final:
-            for j in range(max(0, len(buf) - self._max_stop + 1), len(buf)):
-                tail = buf[j:]
-                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stop):
-                    hold = j
-                    break
-        if cut is not None and cut <= hold:
-            # No stop string can start before `cut` any more: the earliest occurrence is final.
+        if found:
+            # Every occurrence ends in this step's text (one ending earlier would have stopped an earlier step),
+            # and none starts in released text (that was held while it could start one): stop at the one that
+            # ends first, of those ending together the one starting first.
+            cut, stop_string = min(found, key=lambda f: (f[0] + len(f[1]), f[0]))
             end = cut + len(stop_string) if self.include_stop else cut
             out, self._pending, self.stopped = buf[:end], "", True
             self.stop_string = stop_string
         else:
+            # Earliest position from which the rest of buf is a proper prefix of some stop string:
+            # a stop string may still start there, so nothing from there on can be released yet.
+            hold = len(buf)
+            if not final:
+                for j in range(max(0, len(buf) - self._max_stop + 1), len(buf)):
+                    tail = buf[j:]
+                    if any(len(s) > len(tail) and s.startswith(tail) for s in self.stop):
+                        hold = j
+                        break
             out, self._pending = buf[:hold], buf[hold:]
             self._unchecked = len(self._pending) if not check_stop else max(0, self._unchecked - hold)
         self.text += out

@@ -31,8 +31,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy (argmax); ``top_k`` of -1 or 0 and ``top_p == 1`` and
     ``min_p == 0`` switch those filters off. ``top_k`` keeps every token tied with the k-th most
     likely one, as vLLM and HF transformers do. ``max_tokens=None`` means up to the context limit.
-    ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None); a stop string ends the text
-    before it, or after it with ``include_stop_str_in_output``.
+    ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None); generation ends at the first
+    token that completes a stop string, and the text ends before that string, or after it with
+    ``include_stop_str_in_output`` (of several stop strings, the one that ends first in the text).
     ``logprobs``/``prompt_logprobs`` ask for that many most-likely tokens besides the chosen one;
     their values are the model's raw log-softmax, before penalties, temperature and top-k/top-p/min-p.
     The penalties are vLLM's (and OpenAI's), applied to the logits before everything else, greedy rows

@@ -116,7 +116,8 @@ def run(tok, text, stop, chunk=1):
     ("Hello world", ["o"], "Hell"),                           # earliest occurrence
     ("xxab yb", ["ab", "b"], "xx"),                           # overlapping: ab starts first
     ("xxb ab", ["ab", "b"], "xx"),
-    ("xabcd", ["abcd", "c"], "x"),    # 'c' completes first but 'abcd' started earlier
+    ("xabcd", ["abcd", "c"], "xab"),  # 'c' completes first: generation stops there, though 'abcd' started earlier
+    ("xabcd", ["abcd", "bcd"], "x"),  # two end together: the one starting first
     ("xabce", ["abcd", "c"], "xab"),
     ("café 🎉 世界", ["🎉 世"], "café "),                      # multi-byte stop string
     ("xabcd", ["abcd", "ab"], "x"),   # two start together: 'ab' is complete first (kept: "xab")
@@ -130,7 +131,19 @@ def test_stop_strings(tok, text, stop, expected):
         kept = IncrementalDetokenizer(tok, enc(tok, "Write something:"), stop=stop, include_stop=True)
         deltas = stream(kept, enc(tok, text), chunk)  # include_stop_str_in_output: the stop string ends the text
         assert "".join(deltas) == kept.text == expected + kept.stop_string and kept.stop_string in stop
-        assert kept.stop_string == min((s for s in stop if text.find(s) == len(expected)), key=len)
+        assert (len(expected), kept.stop_string) == first_stop(text, stop)
+
+
+def first_stop(text, stops, after=0):
+    """(start, stop string) of the occurrence that ends first in text, of those ending together the one starting
+    first (the longest), among those that end past `after`; None without one. Character by character: the stop
+    that ends generation is the first to be complete, however the text is split into tokens."""
+    for end in range(after + 1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            s = max(done, key=len)
+            return end - len(s), s
+    return None
 
 
 def test_partial_match_released_when_it_turns_out_not_a_stop(tok):
@@ -150,11 +163,13 @@ def test_partial_match_released_by_finish(tok):
     assert det.text == "hello world" and not det.stopped
 
 
-def test_stop_confirmed_at_finish(tok):
-    # 'c' is complete but 'abcd' may still start earlier; when generation ends it cannot.
+def test_a_complete_stop_string_stops_at_once(tok):
+    # 'c' is complete: generation stops, though 'abcd' could still start earlier (vLLM's and OpenAI's rule; it
+    # used to wait for 'abcd', generating past a complete stop string)
     det = IncrementalDetokenizer(tok, [], stop=["abcd", "c"])
-    assert det.add_tokens(enc(tok, "xabc")) == "x"
-    assert det.finish() == "ab" and det.stopped and det.text == "xab"
+    assert det.add_tokens(enc(tok, "xab")) == "x"  # 'ab' could start 'abcd'
+    assert det.add_tokens(enc(tok, "c")) == "ab" and det.stopped and det.text == "xab" and det.stop_string == "c"
+    assert det.add_tokens(enc(tok, "d")) == "" and det.finish() == "" and det.text == "xab"
 
 
 ALPHABET = "ab c\né世🎉"
@@ -180,16 +195,13 @@ def test_property_released_text_is_full_text_cut_at_first_stop(tok, text, stops,
         deltas.append(det.add_tokens(ids[pos:pos + n]))
         pos += n
     deltas.append(det.finish())
-    hits = [full.find(s) for s in stops if s in full]
-    assert "".join(deltas) == det.text == (full[:min(hits)] if hits else full)
-    assert det.stopped == bool(hits)
+    first = first_stop(full, stops)
+    assert "".join(deltas) == det.text == (full[:first[0]] if first else full)
+    assert det.stopped == (first is not None)
     assert not any(FFFD in d for d in deltas)
     kept = IncrementalDetokenizer(tok, enc(tok, "prompt"), stop=stops, include_stop=True)
     joined = "".join([kept.add_tokens(ids)] + [kept.finish()])
-    # the earliest occurrence; of those starting there, the shortest: it is complete first, and nothing can
-    # start before it any more
-    first = min(((full.find(s), len(s)) for s in stops if s in full), default=None)
-    assert joined == kept.text == (full[:first[0] + first[1]] if first else full)
+    assert joined == kept.text == (full[:first[0] + len(first[1])] if first else full)
 
 
 @settings(max_examples=300, deadline=None,
@@ -205,12 +217,11 @@ def test_property_stop_strings_after_min_tokens(tok, text, stops, data):
     m = data.draw(st.integers(0, len(ids)))
     # the text out when stop strings are first looked for: a token's text waits while it ends mid-character
     boundary = len(next(t for t in (tok.decode(ids[:j]) for j in range(m, -1, -1)) if not t.endswith(FFFD)))
-    hits = [(i, len(s)) for s in stops for i in range(len(full)) if full.startswith(s, i) and i + len(s) > boundary]
-    first = min(hits, default=None)
+    first = first_stop(full, stops, after=boundary)
     for include_stop in (False, True):
         det = IncrementalDetokenizer(tok, enc(tok, "prompt"), stop=stops, include_stop=include_stop)
         deltas = [det.add_tokens([t], check_stop=k + 1 > m) for k, t in enumerate(ids)]  # one token a step
         deltas.append(det.finish(check_stop=len(ids) > m))
-        want = full if first is None else full[:first[0] + (first[1] if include_stop else 0)]
+        want = full if first is None else full[:first[0] + (len(first[1]) if include_stop else 0)]
         assert "".join(deltas) == det.text == want, (m, boundary)
         assert det.stopped == (first is not None)

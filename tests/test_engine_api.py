@@ -57,6 +57,24 @@ def test_stream_deltas_join_to_the_final_text_and_stop_strings_are_cut(llm):
         final.text[: final.text.index(stop) + len(stop)]
 
 
+def test_generation_stops_at_the_first_complete_stop_string(llm):
+    """A second, longer stop string that starts earlier does not keep generation going past a complete one."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    final = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    words = final.text.split()
+    short, long = words[1], " ".join(words[:4])  # 'short' completes before 'long' does; 'long' starts first
+    assert final.text.index(long) < final.text.index(short) < final.text.index(short) + len(short) < \
+        final.text.index(long) + len(long)
+    # the first token whose text completes `short`: generation must end with it
+    n = next(i for i in range(1, len(final.token_ids) + 1) if short in tok.decode(final.token_ids[:i]))
+    for stop in ([short, long], [long, short]):
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, stop=stop),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.stop_reason == short and out.text == final.text[: final.text.index(short)]
+        assert out.token_ids == final.token_ids[:n]
+
+
 def test_overlapping_calls_each_get_all_their_outputs(llm):
     """Two streams consumed in turn, and a generate inside a stream's loop: each call steps the engine for all,
     and each gets every output of its own requests (deltas were lost, and a stream whose request finished during
