@@ -126,10 +126,14 @@ class LLM:
     def _as_list(prompts):
         """One prompt (a str, a {"prompt" | "prompt_token_ids": ...} dict or a list of token ids) or a list of
         them -> the list. A list is one prompt of ids only if every element is an integer scalar (Python, numpy or
-        torch); otherwise each element is a prompt, and the engine says which one is malformed."""
+        torch); otherwise each element is a prompt, and the engine says which one is malformed. A 1-D numpy array
+        or torch tensor is one prompt of ids, a 2-D one a prompt per row."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and all(as_token_id(t) is not None for t in prompts)):
             return [prompts]
+        if getattr(prompts, "ndim", None) in (1, 2) and hasattr(prompts, "tolist"):
+            prompts = prompts.tolist()
+            return [prompts] if prompts and not isinstance(prompts[0], list) else LLM._as_list(prompts)
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
                             f"got {type(prompts).__name__}")

@@ -294,6 +294,9 @@ def test_numpy_and_torch_token_ids_are_prompts_like_ints(llm):
     for other in (np.array(ids), torch.tensor(ids)):
         assert llm.generate([list(other)], params, use_tqdm=False)[0].outputs[0].token_ids == want
         assert llm.generate(list(other), params, use_tqdm=False)[0].outputs[0].token_ids == want  # one prompt
+        assert llm.generate(other, params, use_tqdm=False)[0].outputs[0].token_ids == want  # a bare 1-D array too
+        rows = llm.generate(np.stack([np.asarray(other)] * 2), params, use_tqdm=False)  # 2-D: a prompt per row
+        assert [o.outputs[0].token_ids for o in rows] == [want, want]
     with pytest.raises(ValueError, match=r"integers in the vocabulary.*\[1.5\]"):
         llm.generate([[1, 1.5]], use_tqdm=False)
 
