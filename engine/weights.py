@@ -10,7 +10,7 @@ checkpoints are refused.
 import functools
 import importlib.util
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,11 +44,15 @@ def embedded_model_path() -> Path:
 
 @dataclass
 class Checkpoint:
-    path: Path
+    path: Path  # where it is read from: for a GGUF, the directory of its converted copy once there is one
     config: object  # transformers.PretrainedConfig
     generation_config: object | None  # transformers.GenerationConfig
     _get: object = field(repr=False)  # name -> tensor
     _names: list = field(repr=False)
+    source: Path | None = None  # what the user named (the GGUF file); path if None
+
+    def __post_init__(self):
+        self.source = self.path if self.source is None else self.source
 
     def tensor_names(self) -> list[str]:
         return list(self._names)
@@ -175,12 +179,12 @@ def _open_gguf(path: Path) -> Checkpoint:
     cached = gguf_cache.lookup(path)
     if cached is not None:
         try:
-            return _open_directory(cached)
+            return replace(_open_directory(cached), source=path)
         except CheckpointError:  # damaged on disk: converted again below, which replaces it
             pass
     checkpoint, state = _convert_gguf(path)
     entry = gguf_cache.store(path, lambda directory: _write_converted(checkpoint, state, directory))
-    return _open_directory(entry) if entry is not None else checkpoint
+    return replace(_open_directory(entry), source=path) if entry is not None else checkpoint
 
 
 def _convert_gguf(path: Path):

@@ -35,7 +35,7 @@ def _float_model(model_path, dtype):
         result = model.load_state_dict(state, strict=False)  # copies: the cached tensors stay untouched
         missing = [n for n in result.missing_keys if n != "lm_head.weight" and "rotary_emb" not in n]
         if missing:
-            raise RuntimeError(f"parameters not loaded from {ckpt.path}: {missing[:5]}")
+            raise RuntimeError(f"parameters not loaded from {ckpt.source}: {missing[:5]}")
         model.tie_weights()
         return model.to(dtype).eval()
     return AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype).eval()

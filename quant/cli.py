@@ -75,7 +75,7 @@ def quantize(
     try:
         tokenizer = checkpoint.load_tokenizer()
     except Exception as e:
-        raise QuantizeError(f"cannot load the tokenizer of {checkpoint.path}: {e}") from e
+        raise QuantizeError(f"cannot load the tokenizer of {checkpoint.source}: {e}") from e
     calibration = make_windows(text, tokenizer, num_samples, seq_len)
     return convert(
         checkpoint, out, calibration, alpha=alpha, kv_group_size=kv_group_size, overwrite=overwrite,

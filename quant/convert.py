@@ -146,8 +146,9 @@ def convert(
 
 
 def source_model(checkpoint) -> str:
-    """What a checkpoint records as the model it was made from: the source's resolved path."""
-    return str(Path(checkpoint.path).resolve())
+    """What a checkpoint records as the model it was made from: the resolved path the user named (a GGUF file, not
+    the directory of its converted copy)."""
+    return str(Path(checkpoint.source).resolve())
 
 
 def _summary(calibration, alpha, alpha_grid, sample_tokens, records, seconds, device) -> dict:

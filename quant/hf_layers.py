@@ -33,12 +33,12 @@ def check_float(checkpoint, config_only: bool = False) -> None:
     qc = getattr(checkpoint.config, "quantization_config", None)
     if qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        raise already_quantized(checkpoint.path, f"its config has a quantization_config, quant_method {method!r}")
+        raise already_quantized(checkpoint.source, f"its config has a quantization_config, quant_method {method!r}")
     name = "model.layers.0.self_attn.q_proj.weight"  # one Linear tells: they are quantized alike
     if not config_only and name in checkpoint.tensor_names():
         dtype = checkpoint.get_tensor(name).dtype
         if not dtype.is_floating_point or dtype.itemsize == 1:  # int8, or FP8 (with scales of its own)
-            raise already_quantized(checkpoint.path, f"tensor {name!r} is {dtype}")
+            raise already_quantized(checkpoint.source, f"tensor {name!r} is {dtype}")
 
 
 def check_supported(config) -> None:
@@ -116,7 +116,7 @@ class DecoderLayers:
             except KeyError as e:
                 raise QuantizeError(f"the checkpoint has no tensor {full!r}") from e
             if not t.is_floating_point():  # int8 read as float32 would be garbage
-                raise already_quantized(self.checkpoint.path, f"tensor {full!r} is {t.dtype}")
+                raise already_quantized(self.checkpoint.source, f"tensor {full!r} is {t.dtype}")
             if tuple(t.shape) != tuple(p.shape):
                 raise QuantizeError(f"tensor {full!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
             # a copy: checkpoint tensors may be copy-on-write views of an mmapped file, and

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from eightbit.engine import gguf_cache, weights
 from eightbit.engine.weights import Checkpoint, open_checkpoint
+from eightbit.quant.convert import source_model
 
 TEXTS = ["The capital of France is", "  spaces,\ttabs\nand ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>"]
 
@@ -22,6 +23,9 @@ def test_the_converted_copy_is_what_transformers_reads_from_the_gguf(hf_model, t
     ckpt = open_checkpoint()
     weights._open_gguf.cache_clear()  # later tests open it again, from the copy
     assert ckpt.path == gguf_cache.entry_dir(smollm_path) and gguf_cache.lookup(smollm_path) == ckpt.path
+    # what a quantized checkpoint records as its source is the GGUF, wherever it was read from (eval refused a
+    # SmoothQuant checkpoint made from the cached copy once the cache was off)
+    assert ckpt.source == smollm_path and source_model(ckpt) == str(smollm_path.resolve())
 
     reference = hf_model.state_dict()
     assert set(ckpt.tensor_names()) == set(reference) - {"lm_head.weight"}  # tied: the loader ties it
