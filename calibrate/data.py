@@ -73,7 +73,8 @@ def load_calibration_text(source: str) -> CalibrationText:
     else:
         path = Path(source)
         if not path.is_file():
-            raise QuantizeError(f"calibration file {path} does not exist")
+            raise QuantizeError(f"calibration file {path} " + ("is a folder: pass a text file in it"
+                                                              if path.is_dir() else "does not exist"))
         if path.stat().st_size == 0:
             raise QuantizeError(f"calibration file {path} is empty")
         try:

@@ -118,8 +118,18 @@ def _check_args(args, stem, positive):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not args.kv_cache_memory_gb > 0:
         raise ValueError(f"--kv-cache-memory-gb must be > 0, got {args.kv_cache_memory_gb}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a file, not a folder: the results would be lost after the run")
+    if args.device is not None and args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: this machine has no CUDA GPU")
+    out = Path(args.out).absolute()
+    nearest = next(p for p in (out, *out.parents) if p.exists())  # the folder it is (or will be) made in
+    if not nearest.is_dir():
+        raise ValueError(f"--out {args.out}: {nearest} is a file, not a folder: the results would be lost after "
+                         f"the run")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {args.out}: {nearest} is not writable: the results would be lost after the run")
     taken = [p.name for p in (Path(args.out) / f"{stem}{ext}" for ext in (".json", ".md", ".png")) if p.exists()]
     if taken and not args.overwrite:
         raise ValueError(f"{args.out} already holds an earlier run's results ({', '.join(taken)}): "
@@ -196,6 +206,7 @@ def run_tasks(args) -> int:
     from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.tasks import TASKS, evaluate_task, load_task
+    from eightbit.engine.weights import open_checkpoint
 
     _check_args(args, "tasks", ("limit", "max_model_len"))
     configs = parse_configs(args.configs)
@@ -208,10 +219,14 @@ def run_tasks(args) -> int:
     items = {t: load_task(t, data_dir, args.limit) for t in tasks}
     tokenizer = load_tokenizer(args.model)
     print("[eval] " + ", ".join(f"{t}: {len(v)} items" for t, v in items.items()), flush=True)
+    max_pos = open_checkpoint(args.model).config.max_position_embeddings
+    max_model_len = min(args.max_model_len, max_pos)
+    if max_model_len < args.max_model_len:
+        print(f"[eval] --max-model-len {args.max_model_len} capped at the model's context, {max_pos}", flush=True)
     out = Path(args.out)
     meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}})
     rows = []
-    for config, scorer, load_s in _scorers(args, configs, args.max_model_len):
+    for config, scorer, load_s in _scorers(args, configs, max_model_len):
         if isinstance(scorer, str):
             rows.append(_error_row(config, scorer))
         else:

@@ -289,6 +289,11 @@ def ensure_sq_checkpoint(path, model=None, progress=True) -> Path:
     if (path / "config.json").is_file():
         _check_sq_source(path, model)
         return path
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()  # an empty folder made ahead: quantize writes the checkpoint in its place
+    elif path.exists():
+        raise ValueError(f"the SmoothQuant checkpoint {path} exists but holds no checkpoint (no config.json): "
+                         f"remove it, or pass another --sq-checkpoint")
     from eightbit.quant.cli import quantize
 
     print(f"[eval] making the SmoothQuant checkpoint {path} (eightbit quantize, alpha=auto)", flush=True)

@@ -77,6 +77,9 @@ def quantize(
     except Exception as e:
         raise QuantizeError(f"cannot load the tokenizer of {checkpoint.source}: {e}") from e
     calibration = make_windows(text, tokenizer, num_samples, seq_len)
+    if calibration.num_samples < num_samples:
+        print(f"note: the calibration text holds {calibration.num_samples} windows of {seq_len} tokens, fewer than "
+              f"the {num_samples} asked for: calibrating on those", file=sys.stderr, flush=True)
     return convert(
         checkpoint, out, calibration, alpha=alpha, kv_group_size=kv_group_size, overwrite=overwrite,
         progress=progress, tokenizer=tokenizer, device=device, **convert_options,
@@ -89,14 +92,17 @@ def _check_sizes(src, num_samples, seq_len, kv_group_size) -> None:
 
     if num_samples < 1 or seq_len < 2:
         raise QuantizeError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples} and {seq_len}")
+    config = _config_only(src)
     try:
         kv = KVCacheScheme(group_size=kv_group_size)
-        if kv_group_size not in KV_GROUP_SIZES:  # it can only be head_dim: read that from the config alone
-            config = _config_only(src)
-            if config is not None:
-                kv.check_head_dim(head_dim(config))
+        if kv_group_size not in KV_GROUP_SIZES and config is not None:  # it can only be head_dim
+            kv.check_head_dim(head_dim(config))
     except ValueError as e:
         raise QuantizeError(str(e)) from e
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and seq_len > context:  # calibrated at positions the model never sees
+        raise QuantizeError(f"--seq-len {seq_len} is longer than the model's context of {context} tokens: "
+                            f"pass --seq-len {context} or less")
 
 
 def _config_only(src):

@@ -45,6 +45,8 @@ def test_empty_calibration_file_is_an_error(tmp_path, content):
 def test_missing_calibration_file_is_an_error(tmp_path):
     with pytest.raises(QuantizeError, match="does not exist"):
         load_calibration_text(str(tmp_path / "nope.txt"))
+    with pytest.raises(QuantizeError, match="is a folder: pass a text file in it"):
+        load_calibration_text(str(tmp_path))
 
 
 def test_datasets_source_from_a_local_folder(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -113,6 +114,17 @@ def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, mo
     (tmp_path / "afile").write_text("")  # found after scoring, the results were lost to a FileExistsError
     assert main(["ppl", "--configs", "fp32", "--out", str(tmp_path / "afile")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["ppl", "--configs", "fp32", "--out", str(tmp_path / "afile" / "sub")]) == 2  # under a file
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert main(["ppl", "--configs", "fp32", "--out", str(locked / "new")]) == 2
+        assert "is not writable" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["ppl", "--configs", "fp32", "--device", "cuda", "--out", str(tmp_path / "new")]) == 2
+        assert "no CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # a refused run makes no folder
 
 
 def test_an_interrupted_run_leaves_its_json_table_and_chart_agreeing(tmp_path, monkeypatch, capsys):
@@ -191,3 +203,17 @@ def test_eval_cli_header_and_chart_when_a_configuration_fails(tmp_path, capsys, 
     assert (tmp_path / "ppl.png").read_bytes().startswith(b"\x89PNG")
     assert main(args + ["--configs", "fp32"]) == 1
     assert "(0 scored tokens)" in (tmp_path / "ppl.md").read_text() and not (tmp_path / "ppl.png").exists()
+
+
+def test_eval_tasks_caps_its_context_at_the_models(tmp_path, capsys):
+    """--max-model-len (default 2048) above the model's context is capped: every configuration failed to load."""
+    from eightbit.eval.cli import main
+    from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    src = make_tiny_checkpoint(tmp_path / "tiny", tokenizer=make_tiny_tokenizer())  # a context of 256
+    rc = main(["tasks", "--model", str(src), "--configs", "fp32", "--tasks", "arc_easy", "--limit", "2",
+               "--device", "cpu", "--kv-cache-memory-gb", "0.05", "--out", str(tmp_path / "out"), "--no-progress"])
+    assert "--max-model-len 2048 capped at the model's context, 256" in capsys.readouterr().out
+    assert rc == 0
+    rows = json.loads((tmp_path / "out" / "tasks.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["fp32"] and rows[0]["tasks"]["arc_easy"]["items"] == 2

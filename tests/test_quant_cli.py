@@ -74,6 +74,7 @@ def no_model_loading(monkeypatch):
     ("--seq-len", "1", "seq_len >= 2"),
     ("--kv-group-size", "7", "group size 7 does not fit head_dim 32"),
     ("--kv-group-size", "0", "positive integer"),
+    ("--seq-len", "100000", "longer than the model's context of"),
 ])
 def test_sizes_are_checked_before_the_model_loads(tmp_path, capsys, no_model_loading, option, value, message):
     src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
@@ -104,6 +105,11 @@ def test_run_end_to_end_and_errors(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert cli.run_quantize(parse(argv + ["--overwrite", "--kv-group-size", "24"])) == 2
     assert "group size 24" in capsys.readouterr().err
+    more = argv[:1] + [str(tmp_path / "q2")] + argv[2:] + ["--num-samples", "1000"]  # the last one counts
+    assert cli.run_quantize(parse(more)) == 0
+    cfg = json.loads((tmp_path / "q2" / "config.json").read_text())
+    taken = cfg["quantization_config"]["eightbit"]["calibration"]["data"]["num_samples"]
+    assert 2 < taken < 1000 and f"holds {taken} windows of 32 tokens, fewer than the 1000" in capsys.readouterr().err
 
 
 def test_device_option_and_bad_devices(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -422,6 +423,29 @@ def test_the_calibration_record_names_the_source_and_eval_checks_it(converted, s
     # the default cache folder tells two models of the same folder name apart
     assert default_sq_checkpoint_dir(src) != default_sq_checkpoint_dir(other)
     assert default_sq_checkpoint_dir(src).name.startswith(f"{src.name}-")
+
+
+def test_an_empty_sq_checkpoint_folder_is_made_and_a_foreign_one_refused(tmp_path, monkeypatch):
+    from eightbit.eval.configs import ensure_sq_checkpoint
+    from eightbit.quant import cli
+
+    made = []
+
+    def fake_quantize(model, out, progress=True):  # stands for the real conversion, tested above
+        made.append(Path(out))
+        Path(out).mkdir()
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(cli, "quantize", fake_quantize)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ensure_sq_checkpoint(empty, model="m", progress=False) == empty and made == [empty]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists but holds no checkpoint"):
+        ensure_sq_checkpoint(foreign, model="m", progress=False)
+    assert made == [empty] and (foreign / "notes.txt").read_text() == "mine"
 
 
 def test_nan_in_a_middle_layer_leaves_nothing(tmp_path, tokenizer, calib):
