@@ -136,6 +136,14 @@ def _check_args(args, stem, positive):
                          f"pass --overwrite to replace them, or another --out")
 
 
+def _quiet_transformers(args) -> None:
+    """--no-progress silences transformers' own bars too (its weight loading and GGUF conversion have them)."""
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def run_ppl(args) -> int:
     from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
@@ -143,6 +151,7 @@ def run_ppl(args) -> int:
     from eightbit.engine.weights import open_checkpoint
 
     _check_args(args, "ppl", ("windows", "window_size"))
+    _quiet_transformers(args)
     configs = parse_configs(args.configs)
     check_float_model(args.model)
     data_dir = resolve_data_dir(args.data_dir)
@@ -209,6 +218,7 @@ def run_tasks(args) -> int:
     from eightbit.engine.weights import open_checkpoint
 
     _check_args(args, "tasks", ("limit", "max_model_len"))
+    _quiet_transformers(args)
     configs = parse_configs(args.configs)
     check_float_model(args.model)
     tasks = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))  # order kept, once each

@@ -210,9 +210,16 @@ def test_eval_tasks_caps_its_context_at_the_models(tmp_path, capsys):
     from eightbit.eval.cli import main
     from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
+    from transformers.utils import logging as hf_logging
+
     src = make_tiny_checkpoint(tmp_path / "tiny", tokenizer=make_tiny_tokenizer())  # a context of 256
-    rc = main(["tasks", "--model", str(src), "--configs", "fp32", "--tasks", "arc_easy", "--limit", "2",
-               "--device", "cpu", "--kv-cache-memory-gb", "0.05", "--out", str(tmp_path / "out"), "--no-progress"])
+    try:
+        rc = main(["tasks", "--model", str(src), "--configs", "fp32", "--tasks", "arc_easy", "--limit", "2",
+                   "--device", "cpu", "--kv-cache-memory-gb", "0.05", "--out", str(tmp_path / "out"),
+                   "--no-progress"])
+        assert not hf_logging.is_progress_bar_enabled()  # --no-progress: transformers' bars too
+    finally:
+        hf_logging.enable_progress_bar()
     assert "--max-model-len 2048 capped at the model's context, 256" in capsys.readouterr().out
     assert rc == 0
     rows = json.loads((tmp_path / "out" / "tasks.json").read_text())["rows"]
