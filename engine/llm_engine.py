@@ -394,10 +394,13 @@ class LLMEngine:
         params, detok = seq.params, seq.detokenizer
         delta = ""
         check_stop = seq.num_output_tokens > params.min_tokens  # vLLM's: not in the first min_tokens' text
-        if not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"  # a stop token stays in token_ids but never reaches the text
-        elif token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        if eos or token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", None if eos else token
+            # a stop token stays in token_ids; its text (where it is not a skipped special token) reaches the
+            # output only with include_stop_str_in_output, as in vLLM
+            if params.include_stop_str_in_output:
+                delta = detok.add_tokens([token], check_stop=False)
         else:
             delta = detok.add_tokens([token], check_stop)
             if detok.stopped:

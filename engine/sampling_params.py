@@ -33,7 +33,9 @@ class SamplingParams:
     likely one, as vLLM and HF transformers do. ``max_tokens=None`` means up to the context limit.
     ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None); generation ends at the first
     token that completes a stop string, and the text ends before that string, or after it with
-    ``include_stop_str_in_output`` (of several stop strings, the one that ends first in the text).
+    ``include_stop_str_in_output`` (of several stop strings, the one that ends first in the text). A stop token
+    (end-of-sequence or ``stop_token_ids``) stays in the token ids; its text is in the output only with
+    ``include_stop_str_in_output`` (and then not where it is a special token that ``skip_special_tokens`` skips).
     ``logprobs``/``prompt_logprobs`` ask for that many most-likely tokens besides the chosen one;
     their values are the model's raw log-softmax, before penalties, temperature and top-k/top-p/min-p.
     The penalties are vLLM's (and OpenAI's), applied to the logits before everything else, greedy rows

@@ -166,6 +166,12 @@ def test_stop_token_ids_and_length(llm):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == target
     assert out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(out.token_ids[:-1])  # the stop token's text is left out...
+    kept = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[target],
+                                                     include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == out.token_ids and kept.text == tok.decode(kept.token_ids)  # ... unless asked for
+    assert kept.text != out.text
 
 
 @pytest.mark.parametrize("bad, message", [
