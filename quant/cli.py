@@ -31,7 +31,7 @@ def quantize(
     *,
     calib_data=None,
     num_samples: int = DEFAULT_NUM_SAMPLES,
-    seq_len: int = DEFAULT_SEQ_LEN,
+    seq_len: int | None = None,
     alpha="auto",
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     overwrite: bool = False,
@@ -43,7 +43,8 @@ def quantize(
 
     calib_data: a text file or "hf:NAME[:CONFIG][:SPLIT]"; None finds WikiText-2 valid
     (see calibrate.data). alpha: "auto" (per layer and point, from a grid), a float, or None.
-    device: where calibration runs ("auto": the GPU if there is one, else the CPU).
+    device: where calibration runs ("auto": the GPU if there is one, else the CPU). seq_len: tokens per
+    calibration window (None: DEFAULT_SEQ_LEN, or the model's context where that is shorter).
     Returns the calibration summary written into the checkpoint. Raises QuantizeError
     (a ValueError) on bad input; on any failure `out` is left untouched.
     """
@@ -58,7 +59,7 @@ def quantize(
         raise QuantizeError("no output directory given")
     out = Path(out)
     alpha = _parse_alpha(alpha)
-    _check_sizes(src, num_samples, seq_len, kv_group_size)
+    seq_len = _check_sizes(src, num_samples, seq_len, kv_group_size)
     check_output_path(out, overwrite)
     device = _resolve_device(device)
     source = calib_data if calib_data is not None else default_calibration_source()
@@ -86,23 +87,27 @@ def quantize(
     )
 
 
-def _check_sizes(src, num_samples, seq_len, kv_group_size) -> None:
-    """The numeric options, checked before the model loads (a GGUF's weights take ~20 s)."""
+def _check_sizes(src, num_samples, seq_len, kv_group_size) -> int:
+    """The numeric options, checked before the model loads (a GGUF's weights take ~20 s); returns the window
+    length (seq_len None: DEFAULT_SEQ_LEN, or the model's context where that is shorter)."""
     from eightbit.quant.schemes import KV_GROUP_SIZES, KVCacheScheme, head_dim
 
+    config = _config_only(src)
+    context = getattr(config, "max_position_embeddings", None)
+    if seq_len is None:
+        seq_len = DEFAULT_SEQ_LEN if context is None else min(DEFAULT_SEQ_LEN, context)
     if num_samples < 1 or seq_len < 2:
         raise QuantizeError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples} and {seq_len}")
-    config = _config_only(src)
     try:
         kv = KVCacheScheme(group_size=kv_group_size)
         if kv_group_size not in KV_GROUP_SIZES and config is not None:  # it can only be head_dim
             kv.check_head_dim(head_dim(config))
     except ValueError as e:
         raise QuantizeError(str(e)) from e
-    context = getattr(config, "max_position_embeddings", None)
     if context is not None and seq_len > context:  # calibrated at positions the model never sees
         raise QuantizeError(f"--seq-len {seq_len} is longer than the model's context of {context} tokens: "
                             f"pass --seq-len {context} or less")
+    return seq_len
 
 
 def _config_only(src):
@@ -171,8 +176,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calib-data", default=None, help=CALIB_HELP)
     p.add_argument("--num-samples", type=int, default=DEFAULT_NUM_SAMPLES,
                    help=f"calibration windows (default {DEFAULT_NUM_SAMPLES})")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
-                   help=f"tokens per calibration window (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per calibration window (default {DEFAULT_SEQ_LEN}, or the model's context if shorter)")
     p.add_argument("--alpha", default="auto",
                    help="SmoothQuant migration strength: 'auto' (chosen per layer and smoothing point by "
                    "measured W8A8 error, the default), a number in [0, 1], or 'none' (no smoothing)")

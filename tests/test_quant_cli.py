@@ -19,7 +19,7 @@ def test_defaults():
     a = parse(["src", "out"])
     assert (a.src, a.out, a.calib_data, a.alpha, a.kv_group_size, a.overwrite) == ("src", "out", None, "auto", 32,
                                                                                     False)
-    assert (a.num_samples, a.seq_len) == (cli.DEFAULT_NUM_SAMPLES, cli.DEFAULT_SEQ_LEN)
+    assert (a.num_samples, a.seq_len) == (cli.DEFAULT_NUM_SAMPLES, None)  # None: DEFAULT_SEQ_LEN or the context
     assert a.func is cli.run_quantize
 
 
@@ -82,6 +82,13 @@ def test_sizes_are_checked_before_the_model_loads(tmp_path, capsys, no_model_loa
     assert cli.run_quantize(parse([str(src), str(out), option, value, "--calib-data", str(tmp_path / "none")])) == 2
     assert message in capsys.readouterr().err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_the_default_window_fits_the_models_context(tmp_path):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)  # 256
+    assert cli._check_sizes(src, 4, None, 32) == 256 < cli.DEFAULT_SEQ_LEN
+    assert cli._check_sizes(None, 4, None, 32) == cli.DEFAULT_SEQ_LEN  # the embedded SmolLM2: 8,192
+    assert cli._check_sizes(src, 4, 100, 32) == 100
 
 
 def test_group_size_is_checked_against_a_gguf_head_dim_before_its_weights_load(tmp_path, capsys, no_model_loading):
