@@ -125,12 +125,12 @@ class LLM:
     @staticmethod
     def _as_list(prompts):
         """One prompt (a str, a {"prompt" | "prompt_token_ids": ...} dict or a list of token ids) or a list of
-        them -> the list. A list is one prompt of ids only if every element is an integer scalar (Python, numpy or
-        torch); otherwise each element is a prompt, and the engine says which one is malformed. A 1-D numpy array
-        or torch tensor is one prompt of ids, a 2-D one a prompt per row."""
+        them -> the list. A list is one prompt of ids if every element is a number (Python, numpy or torch scalars;
+        a float among them is the engine's error to name); otherwise each element is a prompt, and the engine says
+        which one is malformed. A 1-D numpy array or torch tensor is one prompt of ids, a 2-D one a prompt per row."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                and all(as_token_id(t) is not None for t in prompts)):
-            return [prompts]
+                                                and all(_is_number(t) for t in prompts)):
+            return [prompts]  # one prompt of ids (a float among them: the engine says which)
         if getattr(prompts, "ndim", None) in (1, 2) and hasattr(prompts, "tolist"):
             prompts = prompts.tolist()
             return [prompts] if prompts and not isinstance(prompts[0], list) else LLM._as_list(prompts)
@@ -154,6 +154,14 @@ class LLM:
             if not isinstance(v, kind) or isinstance(v, bool):
                 raise TypeError(f"{what}[{i}] must be {kind.__name__}, got {type(v).__name__}")
         return list(value)
+
+
+def _is_number(t) -> bool:
+    """A scalar number of any kind (Python, numpy, a 0-d tensor), not a bool: an element of a prompt of ids."""
+    if as_token_id(t) is not None:
+        return True
+    return not isinstance(t, bool) and getattr(t, "ndim", 0) == 0 and isinstance(getattr(t, "item", lambda: t)(),
+                                                                                 (int, float))
 
 
 def _check_conversation(messages):

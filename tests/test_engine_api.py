@@ -181,6 +181,7 @@ def test_stop_token_ids_and_length(llm):
     ([[]], "empty"),
     ([[1, 2, 10**6]], "in the vocabulary"),
     ([[1, -3]], "in the vocabulary"),
+    ([1.0, 2.0], r"integers in the vocabulary.*\[1\.0, 2\.0\]"),  # one prompt of float ids, named as such
 ])
 def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, bad, message):
     engine = llm.engine
