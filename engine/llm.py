@@ -1,6 +1,7 @@
 """`LLM`: the offline Python API (vLLM's names), a thin driver of `LLMEngine`."""
 
 import itertools
+import numbers
 from collections import deque
 from contextlib import closing
 
@@ -8,7 +9,7 @@ from tqdm.auto import tqdm
 
 from eightbit.engine.chat import render_chat
 from eightbit.engine.config import EngineConfig
-from eightbit.engine.llm_engine import LLMEngine, as_token_id
+from eightbit.engine.llm_engine import LLMEngine
 from eightbit.engine.sampling_params import SamplingParams
 
 
@@ -132,8 +133,9 @@ class LLM:
                                                 and all(_is_number(t) for t in prompts)):
             return [prompts]  # one prompt of ids (a float among them: the engine says which)
         if getattr(prompts, "ndim", None) in (1, 2) and hasattr(prompts, "tolist"):
-            prompts = prompts.tolist()
-            return [prompts] if prompts and not isinstance(prompts[0], list) else LLM._as_list(prompts)
+            prompts = prompts.tolist()  # a 2-D array's rows: the list of prompts below
+            if prompts and not isinstance(prompts[0], list):
+                return [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
                             f"got {type(prompts).__name__}")
@@ -158,10 +160,7 @@ class LLM:
 
 def _is_number(t) -> bool:
     """A scalar number of any kind (Python, numpy, a 0-d tensor), not a bool: an element of a prompt of ids."""
-    if as_token_id(t) is not None:
-        return True
-    return not isinstance(t, bool) and getattr(t, "ndim", 0) == 0 and isinstance(getattr(t, "item", lambda: t)(),
-                                                                                 (int, float))
+    return not isinstance(t, bool) and (isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0)
 
 
 def _check_conversation(messages):

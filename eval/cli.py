@@ -136,6 +136,13 @@ def _check_args(args, stem, positive):
                          f"pass --overwrite to replace them, or another --out")
 
 
+def _model_context(model) -> int:
+    """The model's max_position_embeddings (its config only: the weights load per configuration)."""
+    from eightbit.engine.weights import open_checkpoint
+
+    return open_checkpoint(model).config.max_position_embeddings
+
+
 def _quiet_transformers(args) -> None:
     """--no-progress silences transformers' own bars too (its weight loading and GGUF conversion have them)."""
     if args.no_progress:
@@ -148,7 +155,6 @@ def run_ppl(args) -> int:
     from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
-    from eightbit.engine.weights import open_checkpoint
 
     _check_args(args, "ppl", ("windows", "window_size"))
     _quiet_transformers(args)
@@ -158,7 +164,7 @@ def run_ppl(args) -> int:
     text = wikitext_text(data_dir)
     tokenizer = load_tokenizer(args.model)
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    max_pos = open_checkpoint(args.model).config.max_position_embeddings
+    max_pos = _model_context(args.model)
     window = min(args.window_size, max_pos - 1)
     windows = make_windows(ids, window, args.windows)
     total_windows = len(make_windows(ids, window))
@@ -215,7 +221,6 @@ def run_tasks(args) -> int:
     from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
     from eightbit.eval.tasks import TASKS, evaluate_task, load_task
-    from eightbit.engine.weights import open_checkpoint
 
     _check_args(args, "tasks", ("limit", "max_model_len"))
     _quiet_transformers(args)
@@ -229,7 +234,7 @@ def run_tasks(args) -> int:
     items = {t: load_task(t, data_dir, args.limit) for t in tasks}
     tokenizer = load_tokenizer(args.model)
     print("[eval] " + ", ".join(f"{t}: {len(v)} items" for t, v in items.items()), flush=True)
-    max_pos = open_checkpoint(args.model).config.max_position_embeddings
+    max_pos = _model_context(args.model)
     max_model_len = min(args.max_model_len, max_pos)
     if max_model_len < args.max_model_len:
         print(f"[eval] --max-model-len {args.max_model_len} capped at the model's context, {max_pos}", flush=True)
