@@ -12,7 +12,7 @@ Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context 
     shapes only (CUDA-graph capturable) and short sequences still spread over all splits.
   * K/V tiles of BLOCK_N keys are gathered through the block table (a tile may span several
     pages); online softmax in base 2 (log2(e) folded into the scale). int8 tiles go into the
-    dot as exact bf16 integers and the group scales are applied around it (below). The int8 V
+    dot converted exactly to q.dtype (every int8 value is exact in fp16/bf16) and the group scales are applied around it (below). The int8 V
     cache is key-minor (reference.py): for P·V each thread needs consecutive keys, which a
     token-major int8 tile could only give one byte per shared-memory load.
   * With one split the program writes the output directly; otherwise it writes its
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-from . import attention_configs
+from . import attention_configs, checks
 from .attention_configs import REDUCE_CHUNK, REDUCE_CHUNKS, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
 from .scratch import zeroed_scratch
@@ -241,9 +241,8 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     """decode_attention with the split count forced (None = the shape-based choice); for tests and benchmarks."""
     quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                                           "decode_attention")
+    checks.decode_batch(q, block_tables)
     bsz, hq, d = q.shape
-    if block_tables.shape[0] != bsz:
-        raise ValueError(f"decode_attention: block_tables has {block_tables.shape[0]} rows for batch {bsz}")
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out

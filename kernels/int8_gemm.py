@@ -7,8 +7,9 @@ with the dequantization epilogue fused.
 Both operands are K-major (row-major with K contiguous), which is what Hopper's
 int8 tensor-core instructions want for A and B, so no transposes are needed.
 
-One kernel serves both regimes; the launch configuration (gemm_configs.py, a
-committed table tuned on the GPU; no autotuning at run time) picks the shape:
+Four kernels share this entry point (below: "dot", "gemv", "ws", "swap"); the launch configuration
+(gemm_configs.py, a committed table tuned on the GPU; no autotuning at run time) picks the kernel and its
+shape per (M bucket, N, K). The "dot" kernel runs every regime and is what the others fall back to:
 
 * prefill (large M, tensor-core bound): big tiles (e.g. 128x256x128), programs
   walked in grouped order (GROUP_M rows of tiles share their weight columns in
@@ -73,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eightbit.kernels import checks
 from eightbit.kernels.gemm_configs import (KERNELS, GemmConfig, device_name_of, device_name_of_index, dot_config,
                                            get_config)
 from eightbit.kernels.launch import FastLauncher, interpreting, sm_count
@@ -403,7 +405,6 @@ def _int8_gemv_kernel(
 
 # --- host side ----------------------------------------------------------------------------
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _launch_dot = FastLauncher(_int8_gemm_kernel)  # prefill launches it ~130 times a step: skip the re-binding
 _launch_gemv_kernel = FastLauncher(_int8_gemv_kernel)
 _locks = {}
@@ -559,32 +560,12 @@ def _trigger_ahead(m, pdl_args):
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, out_dtype):
-    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
-        raise TypeError(f"x_q and w_q must be int8, got {x_q.dtype} and {w_q.dtype}")
-    if x_q.dim() != 2 or w_q.dim() != 2:
-        raise ValueError(f"x_q must be [M, K] and w_q [N, K], got {tuple(x_q.shape)} and {tuple(w_q.shape)}")
-    m, k = x_q.shape
-    n, k2 = w_q.shape
-    if k != k2:
-        raise ValueError(f"K mismatch: x_q {tuple(x_q.shape)} vs w_q {tuple(w_q.shape)}")
+    m, n, k = checks.int8_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     if k > 1 and (x_q.stride(1) != 1 or w_q.stride(1) != 1):
         raise ValueError("x_q and w_q must have a contiguous last (K) dimension")
-    for name, s, rows in (("x_scale", x_scale, m), ("w_scale", w_scale, n)):
-        if s.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {s.dtype}")
-        if s.numel() != rows or not s.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [{rows}] or [{rows}, 1] tensor, got {tuple(s.shape)}")
-    if bias is not None:
-        if bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous():
-            raise ValueError(f"bias must be a contiguous [{n}] tensor, got {tuple(bias.shape)}")
-        if not bias.is_floating_point():
-            raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    dev = x_q.device
-    for name, t in (("x_scale", x_scale), ("w_q", w_q), ("w_scale", w_scale), ("bias", bias)):
-        if t is not None and t.device != dev:
-            raise ValueError(f"{name} is on {t.device}, x_q on {dev}")
+    for name, t in (("x_scale", x_scale), ("w_scale", w_scale), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
     return m, n, k
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import metadata_checks
+from . import checks
 from .attention_configs import KV_WRITE
 from .launch import FastLauncher
 from .pdl import allow_dependents, producer_launch, wait_for_previous_kernel
@@ -130,47 +130,23 @@ def _rope_kv_write_kernel(
 
 
 def _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-    if k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    t, hkv, d = k.shape
+    """checks.kv_write, then what the kernel needs on top. Returns (quant, V's token-major view)."""
+    quant = checks.kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    d = k.shape[2]
     if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
-    if k_cache.shape[2:] != (hkv, d):
-        raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} do not match k's {(hkv, d)}")
-    v_view = v_token_major(k_cache, v_cache)  # checks v_cache's shape and dtype (int8 V is key-minor)
-    quant = k_cache.dtype == torch.int8
+        raise ValueError(f"kv_write: head_dim must be a power of two >= 16, got {d}")
     if quant:
-        if k_scale is None or v_scale is None:
-            raise ValueError("an int8 cache needs k_scale and v_scale")
-        if k_scale.shape != v_scale.shape or k_scale.dim() != 4 or k_scale.shape[:3] != k_cache.shape[:3]:
-            raise ValueError(f"scales must be [num_blocks, block_size, Hkv, D // G] matching the cache, "
-                             f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
         ng = k_scale.shape[-1]
-        if d % ng or ng & (ng - 1):
-            raise ValueError(f"D // G = {ng} groups must be a power of two dividing head_dim {d}")
+        if ng & (ng - 1):
+            raise ValueError(f"kv_write: D // G = {ng} groups must be a power of two")
         if k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1:
-            raise ValueError("the scales' last dim must be contiguous")
-        if k_scale.dtype != v_scale.dtype or not k_scale.dtype.is_floating_point:
-            raise ValueError(f"scales must share one float dtype, got {k_scale.dtype} and {v_scale.dtype}")
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"a {k_cache.dtype} cache takes no scales (pass None)")
-    elif not k_cache.dtype.is_floating_point:
-        raise ValueError(f"the cache must be int8 or a float dtype, got {k_cache.dtype}")
+            raise ValueError("kv_write: the scales' last dim must be contiguous")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("the caches' last dim and head_dim of k and v must be contiguous (stride 1)")
-    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64) or not slot_mapping.is_contiguous():
-        raise ValueError(f"slot_mapping must be a contiguous int32/int64 [T={t}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)} strides {slot_mapping.stride()}")
-    if metadata_checks.active(k.device):
-        metadata_checks.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], "kv_write")
-    tensors = [k, v, k_cache, v_cache, slot_mapping] + ([k_scale, v_scale] if quant else [])
-    dev = k.device
-    for x in tensors:
-        if x.device != dev:
-            raise ValueError(f"all tensors must be on one device, found {x.device} and {dev}")
-    return quant, v_view
+        raise ValueError("kv_write: the caches' last dim and head_dim of k and v must be contiguous (stride 1)")
+    if not slot_mapping.is_contiguous():
+        raise ValueError(f"kv_write: slot_mapping must be a contiguous int32/int64 [T], got strides "
+                         f"{slot_mapping.stride()}")
+    return quant, v_token_major(k_cache, v_cache)
 
 
 _launch_rope_kv = FastLauncher(_rope_kv_write_kernel)
@@ -180,20 +156,9 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scal
     quant, vc = _check_cache(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)  # vc: token-major view of V
     t, hkv, d = k.shape
     if rope:
-        if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d or q.stride(-1) != 1:
-            raise ValueError(f"q must be [T={t}, Hq, D={d}] with a contiguous last dim, got {tuple(q.shape)}")
-        if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64) or not positions.is_contiguous():
-            raise ValueError(f"positions must be a contiguous int32/int64 [T={t}], got {positions.dtype} "
-                             f"{tuple(positions.shape)} strides {positions.stride()}")
-        if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.stride(-1) != 1:
-            raise ValueError(f"cos_sin_cache must be [max_pos, D={d}] (cos | sin), got {tuple(cos_sin_cache.shape)}")
-        for x in (q, positions, cos_sin_cache):
-            if x.device != k.device:
-                raise ValueError(f"all tensors must be on one device, found {x.device} and {k.device}")
-        if metadata_checks.active(k.device):
-            metadata_checks.check_positions(positions, cos_sin_cache.shape[0], "rope_kv_write")
-        if q.dtype != k.dtype:
-            raise ValueError(f"q is {q.dtype} but k is {k.dtype}")
+        checks.rope(q, k, positions, cos_sin_cache)
+        if q.stride(-1) != 1 or not positions.is_contiguous() or cos_sin_cache.stride(-1) != 1:
+            raise ValueError("rope_kv_write: q's head_dim, positions and cos_sin_cache's rows must be contiguous")
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         hq = q.shape[1]
     else:

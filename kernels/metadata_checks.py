@@ -1,9 +1,10 @@
 """Range checks of the paged-attention metadata, on when EIGHTBIT_CHECK_METADATA=1 (or ENABLED = True).
 
 The kernels trust slot mappings, block tables, sequence lengths, query offsets and positions: a value out of range
-reads or writes past a tensor, where the plain-torch reference raises IndexError. The engine builds them itself, so
-the checks are off by default: each reads the metadata back to the host, a synchronization per call. Turn them on
-to debug a caller of the kernels; CUDA-graph replays are not checked (the engine's enforce_eager runs every step
+reads or writes past a tensor, and the plain-torch reference may cut it silently (a seq_len past its block table
+attends to the table's keys only). The engine builds them itself, so the checks are off by default: each reads the
+metadata back to the host, a synchronization per call. Turn them on to debug a caller of the kernels; both backends
+run them (kernels/checks.py). CUDA-graph replays are not checked (the engine's enforce_eager runs every step
 eagerly)."""
 
 import os

@@ -6,7 +6,9 @@ the model code never branches on the backend. The Triton modules are imported on
 first CUDA use, so a CPU-only install never imports triton.
 """
 
+import functools
 import importlib
+import inspect
 
 from eightbit.kernels import reference
 
@@ -26,19 +28,20 @@ _TRITON_MODULE = {
 
 def _dispatch(name):
     reference_fn = getattr(reference, name)
+    first_name = next(iter(inspect.signature(reference_fn).parameters))
     triton_fn = None
 
-    def op(first, *args, **kwargs):
+    @functools.wraps(reference_fn)  # help() and inspect.signature show the op's own parameters
+    def op(*args, **kwargs):
         nonlocal triton_fn
-        if not first.is_cuda:
-            return reference_fn(first, *args, **kwargs)
+        first = args[0] if args else kwargs.get(first_name)
+        if not getattr(first, "is_cuda", False):
+            return reference_fn(*args, **kwargs)
         if triton_fn is None:
             module = importlib.import_module(f"eightbit.kernels.{_TRITON_MODULE[name]}")
             triton_fn = getattr(module, name)
-        return triton_fn(first, *args, **kwargs)
+        return triton_fn(*args, **kwargs)
 
-    op.__name__ = name
-    op.__doc__ = reference_fn.__doc__
     return op
 
 

@@ -37,10 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import attention_configs, metadata_checks
+from . import attention_configs, checks
 from .attention_configs import prefill_config
 from .launch import FastLauncher, interpreting
-from .reference import v_token_major
 
 LOG2E = 1.4426950408889634
 
@@ -276,24 +275,11 @@ def compiled():
 
 
 def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name):
-    """Shared checks for prefill and decode. Returns (quant, group_size)."""
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q must be [tokens, Hq, D], got {tuple(q.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"{name}: q must be float16/bfloat16/float32, got {q.dtype}")
-    _, hq, d = q.shape
+    """checks.attention, then what the prefill and decode kernels need on top. Returns (quant, group_size)."""
+    quant, group = checks.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name)
+    d, page = q.shape[2], k_cache.shape[1]
     if d < 16 or d & (d - 1):
         raise ValueError(f"{name}: head_dim must be a power of two >= 16, got {d}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"{name}: k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
-    v_token_major(k_cache, v_cache)  # v_cache's shape and dtype (int8 V is key-minor)
-    hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"{name}: cache head_dim {k_cache.shape[3]} != q's {d}")
-    if hq % hkv:
-        raise ValueError(f"{name}: {hq} query heads are not a multiple of {hkv} kv heads")
-    quant = k_cache.dtype == torch.int8
-    page = k_cache.shape[1]
     if quant:  # int8 V (key-minor): each block contiguous and 16-aligned (the kernels' vector-load hints)
         v_ok = v_cache.stride()[1:] == (d * page, page, 1) and v_cache.stride(0) % 16 == 0
     else:  # a float V is read with K's offsets
@@ -303,35 +289,17 @@ def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
                          f"{'contiguous, 16-aligned blocks' if quant else 'the strides of k_cache'}")
     if page & (page - 1):  # the kernels split a key index into (page, offset) by shifts and masks
         raise ValueError(f"{name}: the cache needs a power-of-two block_size, got {page}")
-    group = d
     if quant:
-        if k_scale is None or v_scale is None:
-            raise ValueError(f"{name}: an int8 cache needs k_scale and v_scale")
-        if (k_scale.dim() != 4 or k_scale.shape != v_scale.shape or k_scale.shape[:3] != k_cache.shape[:3]
-                or k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1):
-            raise ValueError(f"{name}: scales must be [num_blocks, block_size, Hkv, D // G] like the cache, one layout, "
-                             f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
         ng = k_scale.shape[3]
-        if d % ng or ng & (ng - 1):
-            raise ValueError(f"{name}: D // G = {ng} must be a power of two dividing head_dim {d}")
-        group = d // ng
-    else:
-        if k_scale is not None or v_scale is not None:
-            raise ValueError(f"{name}: a {k_cache.dtype} cache takes no scales (pass None)")
-        if not k_cache.dtype.is_floating_point:
-            raise ValueError(f"{name}: the cache must be int8 or a float dtype, got {k_cache.dtype}")
-    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64) or block_tables.stride(1) != 1:
-        raise ValueError(f"{name}: block_tables must be int32/int64 [B, max_blocks] (rows contiguous), "
-                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
-    b = block_tables.shape[0]
-    if seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64) or not seq_lens.is_contiguous():
-        raise ValueError(f"{name}: seq_lens must be a contiguous int32/int64 [B={b}], got {seq_lens.dtype} "
-                         f"{tuple(seq_lens.shape)} strides {seq_lens.stride()}")
-    for x in (k_cache, v_cache, block_tables, seq_lens) + ((k_scale, v_scale) if quant else ()):
-        if x.device != q.device:
-            raise ValueError(f"{name}: all tensors must be on q's device {q.device}, found {x.device}")
-    if metadata_checks.active(q.device):
-        metadata_checks.check_tables(block_tables, seq_lens, k_cache.shape[0], page, name)
+        if ng & (ng - 1):
+            raise ValueError(f"{name}: D // G = {ng} must be a power of two")
+        if k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1:
+            raise ValueError(f"{name}: k_scale and v_scale must share one layout with a contiguous last dim, "
+                             f"got strides {k_scale.stride()} and {v_scale.stride()}")
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables' rows must be contiguous, got strides {block_tables.stride()}")
+    if not seq_lens.is_contiguous():
+        raise ValueError(f"{name}: seq_lens must be a contiguous int32/int64 [B], got strides {seq_lens.stride()}")
     return quant, group
 
 
@@ -381,15 +349,11 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     """
     quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                                           "prefill_attention")
+    checks.prefill_queries(q, cu_seqlens_q, seq_lens)
+    if not cu_seqlens_q.is_contiguous():
+        raise ValueError(f"prefill_attention: cu_seqlens_q must be a contiguous int32/int64 [B+1], got strides "
+                         f"{cu_seqlens_q.stride()}")
     b = block_tables.shape[0]
-    if (cu_seqlens_q.shape != (b + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64)
-            or not cu_seqlens_q.is_contiguous()):
-        raise ValueError(f"prefill_attention: cu_seqlens_q must be a contiguous int32/int64 [B+1={b + 1}], "
-                         f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)} strides {cu_seqlens_q.stride()}")
-    if cu_seqlens_q.device != q.device:
-        raise ValueError(f"prefill_attention: cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
-    if metadata_checks.active(q.device):
-        metadata_checks.check_queries(cu_seqlens_q, seq_lens, q.shape[0], "prefill_attention")
     t, hq, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0 or b == 0:

@@ -5,7 +5,8 @@ one program owns one row and holds the whole row in registers (BLOCK_K is the
 row length rounded up to a power of two, masked). In float32:
 
     absmax = max |x|                      (x first rounded to its own dtype: it is loaded as such)
-    scale  = absmax / 127                 (IEEE division, div_rn, stored as float32 [M, 1])
+    scale  = absmax / 127                 (stored as float32 [M, 1]; IEEE division on the CPU, absmax *
+                                           float32(1/127) on CUDA: how torch evaluates it on each device)
     inv    = (1 / absmax) * 127, or 0 if absmax == 0   (how torch evaluates 127 / absmax)
     q      = round_half_even(x * inv) clamped to [-127, 127]
 
@@ -132,7 +133,7 @@ def as_rows(x, name):
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.flatten(0, -2) if x.dim() > 1 else x.unsqueeze(0)  # reshape(-1, 0) would be ambiguous at K = 0
     if x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2

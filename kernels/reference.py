@@ -1,7 +1,9 @@
 """Plain-PyTorch versions of every fused op: the CPU backend and the test oracle.
 
-Each function here has a Triton twin with the same signature in its own file
-under kernels/; `kernels.ops` picks one by device. Math is done in float32 and
+Each op here (rms_norm ... decode_attention, the names `kernels.ops` dispatches) has a Triton twin with the
+same signature in its own file under kernels/; `kernels.ops` picks one by device. Both check their inputs with
+the same functions (kernels/checks.py), so they refuse the same bad input alike. The rest of this file
+(rotary, gather_kv, dequantize_blocks, ...) are helpers of the ops and of tests. Math is done in float32 and
 cast back to the input dtype at the end.
 
 The paged KV cache (one layer):
@@ -21,6 +23,8 @@ gives the [num_blocks, block_size, Hkv, D] view every reference op works on.
 import torch
 import torch.nn.functional as F
 
+from eightbit.kernels import checks
+from eightbit.kernels.checks import v_cache_shape  # noqa: F401  (the cache layout, imported from here by callers)
 from eightbit.quant.int8 import dequantize_groups, quantize_groups, quantize_per_token
 
 # --- norms, activations, per-token quantization ------------------------------------------
@@ -32,11 +36,8 @@ def rms_norm(x, weight, eps, residual=None):
     With a residual, the sum x + residual is both normalized and returned as the
     next layer's residual (the pre-norm transformer's running stream).
     """
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    checks.rms_norm(x, weight, residual)
     if residual is not None:
-        if residual.shape != x.shape:  # no broadcasting: the kernel refuses it too
-            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         x = (x.float() + residual.float()).to(x.dtype)
         residual = x
     xf = x.float()
@@ -53,6 +54,7 @@ def rmsnorm_quant(x, weight, eps, residual=None):
 
 def silu_mul(gate_up):
     """gate_up [M, 2I] (gate first, then up) -> SiLU(gate) * up [M, I]."""
+    checks.silu_mul(gate_up)
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
 
@@ -69,12 +71,7 @@ def quant_per_token(x):
 
 def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
     """int8 x_q [M, K] @ int8 w_q [N, K]^T, exact in int32, then * x_scale[m] * w_scale[n] (+ bias)."""
-    m, n = x_q.shape[0], w_q.shape[0]
-    for name, s, rows in (("x_scale", x_scale, m), ("w_scale", w_scale, n)):
-        if s.numel() != rows:  # a single scale would broadcast: the kernel refuses it too
-            raise ValueError(f"{name} must be a [{rows}] or [{rows}, 1] tensor, got {tuple(s.shape)}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be a [{n}] tensor, got {tuple(bias.shape)}")
+    checks.int8_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     acc = _int8_matmul(x_q, w_q)
     out = acc.float() * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
     if bias is not None:
@@ -108,20 +105,9 @@ def rotary(q, k, positions, cos_sin_cache):
     return rotate(q), rotate(k)
 
 
-def v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype):
-    """The stored shape of a V cache: int8 is key-minor (see the module docstring)."""
-    if dtype == torch.int8:
-        return (num_blocks, num_kv_heads, head_dim, block_size)
-    return (num_blocks, block_size, num_kv_heads, head_dim)
-
-
 def v_token_major(k_cache, v_cache):
     """v_cache as a [num_blocks, block_size, Hkv, D] view (no copy; writes go to the cache)."""
-    want = v_cache_shape(*k_cache.shape, v_cache.dtype)
-    if tuple(v_cache.shape) != want or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache must be {k_cache.dtype} {want} for a k_cache of shape {tuple(k_cache.shape)} "
-                         f"(an int8 V cache is [num_blocks, Hkv, D, block_size]), got {v_cache.dtype} "
-                         f"{tuple(v_cache.shape)}")
+    checks.v_cache(k_cache, v_cache)
     return v_cache.permute(0, 3, 1, 2) if v_cache.dtype == torch.int8 else v_cache
 
 
@@ -129,8 +115,11 @@ def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     """Store k, v [T, Hkv, D] at their slots; quantize in groups if the cache is int8. In place.
 
     A slot of -1 means "do not store" (padding)."""
-    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
-        raise ValueError("an int8 cache needs k_scale and v_scale, a float cache takes none")  # as the kernel
+    checks.kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    _store_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
+
+def _store_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
@@ -146,8 +135,10 @@ def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
 
 def rope_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     """RoPE on q and k, then k and v into the paged cache. Returns the rotated q."""
+    checks.kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    checks.rope(q, k, positions, cos_sin_cache)
     q, k = rotary(q, k, positions, cos_sin_cache)
-    kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    _store_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     return q
 
 
@@ -192,6 +183,8 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     read from the cache (kv_write has already stored the new ones). GQA: query head h
     uses kv head h // (Hq // Hkv). Returns [T, Hq, D] in q.dtype.
     """
+    checks.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, "prefill_attention")
+    checks.prefill_queries(q, cu_seqlens_q, seq_lens)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
@@ -210,7 +203,11 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_le
     Batched over sequences: every block table is gathered to its full width and the
     keys past each sequence's length are masked out. A sequence of length 0 (a padded slot) gives zeros.
     """
+    checks.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, "decode_attention")
+    checks.decode_batch(q, block_tables)
     b, hq, d = q.shape
+    if b == 0:
+        return q.new_empty(q.shape)
     k = gather_kv_padded(k_cache, k_scale, block_tables)  # [B, L, Hkv, D]
     v = gather_kv_padded(v_token_major(k_cache, v_cache), v_scale, block_tables)
     hkv = k.shape[2]

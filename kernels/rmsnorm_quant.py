@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eightbit.kernels import checks
 from eightbit.kernels.launch import FastLauncher
 from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
@@ -68,19 +69,12 @@ _launch_rmsnorm = FastLauncher(_rmsnorm_kernel)
 
 
 def _launch(x, weight, eps, residual, quant):
+    checks.rms_norm(x, weight, residual)
     x2 = as_rows(x, "x")
     m, h = x2.shape
-    if weight.dim() != 1 or weight.shape[0] != h:
-        raise ValueError(f"weight must have shape ({h},), got {tuple(weight.shape)}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     weight = weight.contiguous()
     r2 = res_out = None
     if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        if residual.device != x.device:
-            raise ValueError(f"residual is on {residual.device}, x on {x.device}")
         r2 = as_rows(residual, "residual")
         res_out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     out, q, scale = row_outputs(m, h, x.dtype, x.device, quant)

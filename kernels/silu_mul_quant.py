@@ -31,6 +31,7 @@ PDL), so the inline PTX stays.
 import triton
 import triton.language as tl
 
+from eightbit.kernels import checks
 from eightbit.kernels.launch import FastLauncher, interpreting
 from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 from eightbit.kernels.quant_per_token import _quantize_row, as_rows, row_launch_params, row_outputs
@@ -94,10 +95,9 @@ _launch_silu = FastLauncher(_silu_mul_kernel)
 
 
 def _launch(gate_up, quant):
+    checks.silu_mul(gate_up)
     gu = as_rows(gate_up, "gate_up")
     m, two_i = gu.shape
-    if two_i % 2:
-        raise ValueError(f"gate_up's last dimension must be even (gate then up), got {two_i}")
     i = two_i // 2
     lead = gate_up.shape[:-1]
     out, q, scale = row_outputs(m, i, gate_up.dtype, gate_up.device, quant)

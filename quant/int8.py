@@ -40,6 +40,8 @@ def _quantize(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (int8 [..., K], float32 scale [..., 1]); one scale per row."""
     xf = x.float()
+    if xf.shape[-1] == 0:  # empty rows: scale 0, as the kernels give
+        return xf.to(torch.int8), xf.new_zeros(*xf.shape[:-1], 1)
     absmax = xf.abs().amax(dim=-1, keepdim=True)
     return _quantize(xf, absmax), absmax / QMAX
 

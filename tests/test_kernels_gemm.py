@@ -383,14 +383,16 @@ def test_gemm_rejects_bad_inputs_cpu():
         int8_gemm(xq, xs, wq[:, :32], ws)
     with pytest.raises(ValueError, match="contiguous last"):
         int8_gemm(xq.t().contiguous().t(), xs, wq, ws)  # K not contiguous
-    with pytest.raises(ValueError, match=r"x_scale must be a contiguous \[4\]"):
+    with pytest.raises(ValueError, match=r"x_scale must be a \[4\] or \[4, 1\] tensor"):
         int8_gemm(xq, torch.ones(3, 1), wq, ws)
     with pytest.raises(TypeError, match="x_scale must be float32"):
         int8_gemm(xq, xs.half(), wq, ws)
-    with pytest.raises(ValueError, match=r"bias must be a contiguous \[32\]"):
+    with pytest.raises(ValueError, match=r"bias must be a \[32\] tensor"):
         int8_gemm(xq, xs, wq, ws, bias=torch.ones(31))
     with pytest.raises(TypeError, match="out_dtype must be one of"):
         int8_gemm(xq, xs, wq, ws, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="x_scale must be contiguous"):
+        int8_gemm(xq, torch.ones(4, 2)[:, 0], wq, ws)
 
 
 def _assert_entries_well_formed(table):

@@ -1,0 +1,159 @@
+"""Both backends of every op refuse the same bad input with the same error (kernels/checks.py), and agree on the
+edge cases they accept (empty batches, empty rows). The Triton wrappers run under TRITON_INTERPRET=1 here; every
+case is refused before a kernel launches."""
+
+import inspect
+
+import pytest
+import torch
+
+from eightbit.kernels import decode_attention as dmod
+from eightbit.kernels import int8_gemm as gmod
+from eightbit.kernels import kv_write as kmod
+from eightbit.kernels import metadata_checks, ops
+from eightbit.kernels import prefill_attention as pmod
+from eightbit.kernels import quant_per_token as qmod
+from eightbit.kernels import reference as R
+from eightbit.kernels import rmsnorm_quant as rmod
+from eightbit.kernels import silu_mul_quant as smod
+from eightbit.kernels.launch import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="the Triton wrappers run on CPU tensors interpreted")
+
+TRITON = {"rms_norm": rmod.rms_norm, "rmsnorm_quant": rmod.rmsnorm_quant, "silu_mul": smod.silu_mul,
+          "silu_mul_quant": smod.silu_mul_quant, "quant_per_token": qmod.quant_per_token,
+          "int8_gemm": gmod.int8_gemm, "rope_kv_write": kmod.rope_kv_write, "kv_write": kmod.kv_write,
+          "prefill_attention": pmod.prefill_attention, "decode_attention": dmod.decode_attention}
+
+
+def gemm_args(**change):
+    a = dict(x_q=torch.ones(4, 32, dtype=torch.int8), x_scale=torch.ones(4, 1), w_q=torch.ones(8, 32, dtype=torch.int8),
+             w_scale=torch.ones(8), bias=None, out_dtype=torch.float32)
+    a.update(change)
+    return a
+
+
+def int8_cache(blocks=6, page=4, hkv=2, d=16, group=8):
+    kc = torch.zeros(blocks, page, hkv, d, dtype=torch.int8)
+    vc = torch.zeros(R.v_cache_shape(blocks, page, hkv, d, torch.int8), dtype=torch.int8)
+    ks = torch.ones(blocks, page, hkv, d // group, dtype=torch.float16)
+    return dict(k_cache=kc, v_cache=vc, k_scale=ks, v_scale=ks.clone())
+
+
+def kv_args(**change):
+    a = dict(k=torch.randn(3, 2, 16), v=torch.randn(3, 2, 16), **int8_cache(), slot_mapping=torch.arange(3))
+    a.update(change)
+    return a
+
+
+def rope_args(**change):
+    a = dict(q=torch.randn(3, 4, 16), **kv_args(), positions=torch.arange(3), cos_sin_cache=torch.randn(10, 16))
+    a.update(change)
+    return a
+
+
+def decode_args(**change):
+    a = dict(q=torch.randn(2, 4, 16), **int8_cache(), block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+             seq_lens=torch.tensor([5, 8], dtype=torch.int32), softmax_scale=0.25)
+    a.update(change)
+    return a
+
+
+def prefill_args(**change):
+    a = decode_args(q=torch.randn(3, 4, 16), cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32))
+    a.update(change)
+    return a
+
+
+BAD = [
+    ("rms_norm", lambda: dict(x=torch.randn(4, 16), weight=torch.ones(8), eps=1e-5), "weight must have shape"),
+    ("rms_norm", lambda: dict(x=torch.randn(4, 16), weight=torch.ones(16), eps=1e-5, residual=torch.randn(1, 16)),
+     "residual shape"),
+    ("silu_mul", lambda: dict(gate_up=torch.randn(2, 5)), "must be even"),
+    ("silu_mul_quant", lambda: dict(gate_up=torch.randn(2, 5)), "must be even"),
+    ("int8_gemm", lambda: gemm_args(x_q=torch.ones(4, 32)), "must be int8"),
+    ("int8_gemm", lambda: gemm_args(x_q=torch.ones(2, 2, 32, dtype=torch.int8)), r"x_q must be \[M, K\]"),
+    ("int8_gemm", lambda: gemm_args(w_q=torch.ones(8, 16, dtype=torch.int8)), "K mismatch"),
+    ("int8_gemm", lambda: gemm_args(x_scale=torch.ones(1)), r"x_scale must be a \[4\] or \[4, 1\] tensor"),
+    ("int8_gemm", lambda: gemm_args(w_scale=torch.ones(8).half()), "w_scale must be float32"),
+    ("int8_gemm", lambda: gemm_args(bias=torch.ones(8, 1)), r"bias must be a \[8\] tensor"),
+    ("int8_gemm", lambda: gemm_args(bias=torch.ones(8, dtype=torch.int32)), "bias must be a float tensor"),
+    ("int8_gemm", lambda: gemm_args(out_dtype=torch.int8), "out_dtype must be one of"),  # int8 would wrap around
+    ("kv_write", lambda: kv_args(k_scale=None, v_scale=None), "needs k_scale and v_scale"),
+    ("kv_write", lambda: kv_args(k=torch.randn(3, 3, 16), v=torch.randn(3, 3, 16)), "heads/head_dim"),
+    ("kv_write", lambda: kv_args(k=torch.randn(3, 32), v=torch.randn(3, 32)), r"must both be \[T, Hkv, D\]"),
+    ("kv_write", lambda: kv_args(slot_mapping=torch.arange(3.0)), r"slot_mapping must be an int32/int64 \[3\]"),
+    ("kv_write", lambda: kv_args(v_cache=torch.zeros(6, 4, 2, 16, dtype=torch.int8)), "int8 V cache is"),
+    ("kv_write", lambda: kv_args(k_scale=torch.ones(6, 4, 2, 3), v_scale=torch.ones(6, 4, 2, 3)), "must divide"),
+    ("rope_kv_write", lambda: rope_args(q=torch.randn(3, 4, 8)), r"q must be \[T=3, Hq, D=16\]"),
+    ("rope_kv_write", lambda: rope_args(cos_sin_cache=torch.randn(10, 8)), r"cos_sin_cache must be \[max_pos"),
+    ("rope_kv_write", lambda: rope_args(positions=torch.arange(3.0)), "positions must be an int32/int64"),
+    ("rope_kv_write", lambda: rope_args(q=torch.randn(3, 4, 16).half()), "q is torch.float16 but k is"),
+    ("decode_attention", lambda: decode_args(q=torch.randn(2, 3, 16)), "3 query heads are not a multiple of 2"),
+    ("decode_attention", lambda: decode_args(q=torch.randn(1, 4, 16)), "block_tables has 2 rows for batch 1"),
+    ("decode_attention", lambda: decode_args(q=torch.randn(2, 4, 8)), "cache head_dim 16 != q's 8"),
+    ("decode_attention", lambda: decode_args(seq_lens=torch.tensor([5.0, 8.0])), "seq_lens must be an int32/int64"),
+    ("decode_attention", lambda: decode_args(block_tables=torch.zeros(2, 2)), "block_tables must be an int32/int64"),
+    ("decode_attention", lambda: decode_args(k_scale=torch.ones(6, 4, 2, 2, dtype=torch.int8),
+                                             v_scale=torch.ones(6, 4, 2, 2, dtype=torch.int8)), "one float dtype"),
+    ("prefill_attention", lambda: prefill_args(cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32)),
+     r"cu_seqlens_q must be an int32/int64 \[3\]"),
+    ("prefill_attention", lambda: prefill_args(k_scale=None, v_scale=None), "needs k_scale and v_scale"),
+]
+
+
+@pytest.mark.parametrize("op, make, message", BAD, ids=[f"{op}-{i}" for i, (op, _, _) in enumerate(BAD)])
+def test_both_backends_refuse_alike_and_write_nothing(op, make, message):
+    args = make()
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    errors = []
+    for fn in (getattr(R, op), TRITON[op]):
+        with pytest.raises((ValueError, TypeError), match=message) as caught:
+            fn(**args)
+        errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1]
+    assert all(torch.equal(args[k].nan_to_num(1.0), v.nan_to_num(1.0)) for k, v in before.items())
+
+
+@pytest.mark.parametrize("op", ["quant_per_token", "silu_mul_quant", "rmsnorm_quant"])
+def test_rows_of_no_elements_give_zero_scales_on_both_backends(op):
+    args = (torch.randn(3, 0),) if op != "rmsnorm_quant" else (torch.randn(3, 0), torch.ones(0), 1e-5)
+    ref, kernel = getattr(R, op)(*args), TRITON[op](*args)
+    for a, b in zip(ref, kernel):
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    assert ref[1].shape == (3, 1) and not ref[1].any()
+
+
+def test_an_empty_decode_batch_on_both_backends():
+    args = decode_args(q=torch.randn(0, 4, 16), block_tables=torch.zeros(0, 2, dtype=torch.int32),
+                       seq_lens=torch.zeros(0, dtype=torch.int32))
+    for fn in (R.decode_attention, dmod.decode_attention):
+        assert fn(**args).shape == (0, 4, 16)
+
+
+def test_the_metadata_checks_cover_the_reference(monkeypatch):
+    """With the checks on, a seq_len past its block table is refused on the CPU too (without them the reference
+    attends to the table's keys only)."""
+    args = decode_args(seq_lens=torch.tensor([5, 50], dtype=torch.int32))
+    monkeypatch.setattr(metadata_checks, "ENABLED", True)
+    for fn in (R.decode_attention, dmod.decode_attention):
+        with pytest.raises(ValueError, match=r"seq_lens\[1\] = 50 is outside 0..8"):
+            fn(**args)
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] = 24 is outside -1..23"):
+        R.kv_write(**kv_args(slot_mapping=torch.tensor([0, 1, 24])))
+    with pytest.raises(ValueError, match="sequence 0 has 2 queries but seq_len 1"):
+        R.prefill_attention(**prefill_args(cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32),
+                                           seq_lens=torch.tensor([1, 8], dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("op", sorted(TRITON))
+def test_ops_show_the_signature_both_backends_share(op):
+    """help(ops.X) shows the op's parameters, the Triton twin takes the same ones, and a keyword first argument
+    is dispatched like a positional one."""
+    assert inspect.signature(getattr(ops, op)) == inspect.signature(getattr(R, op)) == inspect.signature(TRITON[op])
+
+
+def test_ops_take_their_first_argument_by_keyword():
+    x = torch.randn(2, 5)
+    assert all(torch.equal(a, b) for a, b in zip(ops.quant_per_token(x=x), R.quant_per_token(x)))
