@@ -257,7 +257,7 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule → run → postprocess one step. Returns the requests that produced tokens or finished.
+        """Schedule → launch → complete one step. Returns the requests that produced tokens or finished.
 
         Async scheduling (on by default): when the step after this one can only be one more token
         for each sequence of it, that step is launched before this one's tokens are copied to the
@@ -275,10 +275,11 @@ class LLMEngine:
             launched = self._launch(sched.scheduled, sched.copies)
         if self.config.async_scheduling:
             self._in_flight = self._launch_continuation(launched)
-        return self._finish(launched)
+        return self._complete_step(launched)
 
     def _launch(self, scheduled, copies, input_tokens=None) -> LaunchedStep:
-        """Run the model and sample on the device; nothing waits for the GPU here."""
+        """Run the model, count the new tokens as computed, fork the n > 1 samples of prompts that just finished
+        (_fork_and_rows), and sample on the device; nothing waits for the GPU here."""
         result = self.runner.run(scheduled, copies, input_tokens)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
@@ -336,7 +337,7 @@ class LLMEngine:
         max_tokens = seq.params.max_tokens or self.max_model_len
         return seq.num_output_tokens + 1 >= max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
-    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+    def _complete_step(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Bring the step's tokens to the host, append them, register computed blocks, check stops."""
         live = [(i, s) for i, s in enumerate(launched.seqs) if not s.is_finished]
         tokens = self._tokens_to_host(launched) if live else []
@@ -360,7 +361,7 @@ class LLMEngine:
             if seq.params.logprobs is not None:
                 seq.logprobs.append(logprob_dicts[i])
                 seq.cumulative_logprob += logprob_dicts[i][token]
-            deltas[seq] = self._postprocess(seq, token)
+            deltas[seq] = self._process_token(seq, token)
         advanced = {s.request.request_id: s.request for s in deltas}.values()
         return [self._output(r, deltas) for r in advanced
                 if r.is_finished or not r.final_only or (r.first_token_output and r.request_id in started)]
@@ -389,7 +390,7 @@ class LLMEngine:
             rows += [row] * len(family)
         return seqs, rows
 
-    def _postprocess(self, seq, token) -> str:
+    def _process_token(self, seq, token) -> str:
         """Detokenize the new token and finish the sequence if a stop condition holds."""
         params, detok = seq.params, seq.detokenizer
         delta = ""

@@ -282,7 +282,10 @@ class ModelRunner:
 
     def _prepare(self, scheduled, input_tokens=None):
         """The step's inputs as host tensors (numpy arithmetic over the batch: a decode step of B sequences builds
-        them in tens of microseconds; per-sequence Python lists of ints cost ~10x that at B = 256)."""
+        them in tens of microseconds; per-sequence Python lists of ints cost ~10x that at B = 256).
+
+        scheduled: (sequence, new tokens) with the one-token sequences first, as run() sorts them (the context's
+        decode part is its first num_decodes rows)."""
         bs = self.block_size
         seqs = [seq for seq, _ in scheduled]
         tables, table_lens = self.block_manager.block_tables([seq.seq_id for seq in seqs])
@@ -300,7 +303,9 @@ class ModelRunner:
             samples = ends == np.fromiter((seq.num_tokens for seq in seqs), np.int64, len(seqs))
         else:  # a continuation: every sequence samples
             samples = np.ones(len(seqs), bool)
-        nd = int(np.count_nonzero(counts == 1))  # run() put the one-token sequences first
+        nd = int(np.count_nonzero(counts == 1))
+        if not (counts[:nd] == 1).all():
+            raise ValueError("_prepare needs the one-token sequences first (run() sorts them)")
         # Built on the host; moved to the device by _run_eager or copied into the graphs' buffers.
         context = Context(
             slot_mapping=torch.from_numpy(slots),

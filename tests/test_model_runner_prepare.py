@@ -116,3 +116,17 @@ def test_prepare_of_a_continuation_takes_the_device_tokens_and_samples_every_row
     assert ctx.slot_mapping.tolist() == [t0[1] * bs + 3, t1[1] * bs + 0]  # position 7 in block 1, 4 in block 1
     assert ctx.block_tables.tolist() == [t0, t1] and ctx.seq_lens.tolist() == [8, 5]
     assert ctx.num_decodes == 2 and ctx.cu_seqlens_q.tolist() == [0] and ctx.prefill_width == 0
+
+
+def test_prepare_refuses_a_one_token_sequence_after_a_longer_one():
+    """The context's decode part is its first num_decodes rows: unsorted, a prefill row would be read as a decode."""
+    bs = 4
+    bm = BlockManager(16, bs, max_blocks_per_seq=8)
+    runner = make_runner(bm, bs)
+    seqs = [Seq(0, list(range(5))), Seq(1, list(range(3)), 2)]
+    for seq in seqs:
+        bm.allocate(seq.seq_id, seq.token_ids)
+        bm.append_slots(seq.seq_id, seq.num_tokens)
+    with pytest.raises(ValueError, match="one-token sequences first"):
+        runner._prepare([(seqs[0], 5), (seqs[1], 1)])
+    assert prepared(runner, [(seqs[1], 1), (seqs[0], 5)])["nd"] == 1

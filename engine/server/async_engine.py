@@ -83,7 +83,7 @@ class AsyncEngine:
         sync = str(engine.config.device).startswith("cuda") and not engine.config.async_scheduling
         # Instance attributes shadow the methods step() calls through self: no engine change needed.
         self._timers = {name: _Timer(getattr(engine, name), sync and name == "_launch")
-                        for name in ("_launch", "_tokens_to_host", "_finish", "_postprocess")}
+                        for name in ("_launch", "_tokens_to_host", "_complete_step", "_process_token")}
         for name, timer in self._timers.items():
             setattr(engine, name, timer)
         self._stats = self._snapshot()
@@ -255,8 +255,8 @@ class AsyncEngine:
             "steps": self.steps,
             "busy_s": busy,
             "model_s": model_s,
-            "sample_s": seconds["_finish"] - seconds["_tokens_to_host"],
-            "postprocess_s": seconds["_postprocess"],
+            "sample_s": seconds["_complete_step"] - seconds["_tokens_to_host"],
+            "postprocess_s": seconds["_process_token"],
             "outside_model_ratio": (busy - model_s) / busy if busy > 0 else 0.0,
         }
 
