@@ -80,12 +80,28 @@ def load_calibration_text(source: str) -> CalibrationText:
         try:
             ds = datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=True)
         except Exception as e:
+            undecodable = _undecodable(e)  # datasets wraps it in "An error occurred while generating the dataset"
+            if undecodable is not None:
+                bad = undecodable.object[undecodable.start:undecodable.start + 8]
+                raise QuantizeError(f"calibration file {path} is not UTF-8 text ({undecodable.reason}: {bad!r})"
+                                    ) from e
             raise QuantizeError(f"cannot read calibration file {path}: {e}") from e
         text = "".join(ds["text"])
         source = str(path.resolve())
     if not text.strip():
         raise QuantizeError(f"calibration source {source!r} holds no text")
     return CalibrationText(text, source, hashlib.sha256(text.encode("utf-8")).hexdigest())
+
+
+def _undecodable(error):
+    """The UnicodeDecodeError behind `error`, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UnicodeDecodeError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 @dataclass

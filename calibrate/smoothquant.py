@@ -124,14 +124,13 @@ def w8a8_error(x: torch.Tensor, weights: list, s: torch.Tensor | None = None) ->
 
 
 def choose_alpha(point, weights, act_absmax, samples, alphas, num_heads, num_kv_heads):
-    """Try each alpha (None = no smoothing) on the samples; return (alpha, error, error unsmoothed)."""
+    """Try no smoothing and each alpha on the samples; return (the best alpha or None for no smoothing, its error,
+    the error unsmoothed)."""
     error = W8A8Error(samples, weights)
     w_absmax = weight_absmax(weights)
     base = error()
     best_alpha, best_err = None, base
     for alpha in alphas:
-        if alpha is None:
-            continue
         s, _ = point_factors(point, weights, act_absmax, alpha, num_heads, num_kv_heads, w_absmax)
         err = error(s)
         if err < best_err:

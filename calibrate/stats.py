@@ -1,6 +1,6 @@
 """Activation statistics of one decoder layer: per-input-channel absmax of every Linear input.
 
-`collect_layer_stats` pushes the calibration hidden states (CPU, float32) through a layer in
+`collect_layer_stats` pushes the calibration hidden states (float32, on the calibration device) through a layer in
 batches, with a forward pre-hook on every nn.Linear. Each hook keeps the running absmax of
 its input per channel over all calibration tokens, and copies the inputs of a fixed, evenly
 spread subset of tokens (`sample_tokens` of them), on which smoothing choices are measured.

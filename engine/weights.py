@@ -116,7 +116,12 @@ def _open_directory(path: Path) -> Checkpoint:
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("its weight_map is not a map of tensor names to file names")
+        except (ValueError, KeyError, TypeError) as e:  # JSON errors are ValueErrors
+            raise CheckpointError(f"{index} is not a valid shard index ({type(e).__name__}: {e})") from None
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

@@ -72,7 +72,7 @@ def _meta(args, extra) -> dict:
     }
 
 
-def _scorers(args, configs, max_model_len):
+def _scorers(args, configs, max_model_len, data_dir):
     """Yield (config, scorer or error string), building one model at a time and freeing it after use."""
     from eightbit.eval.configs import build_scorer, default_sq_checkpoint_dir, ensure_sq_checkpoint
     from eightbit.eval.peers import PeerNotRunnable
@@ -80,7 +80,7 @@ def _scorers(args, configs, max_model_len):
     sq = None
     if any(c.weights == "smoothquant" for c in configs):
         sq = ensure_sq_checkpoint(args.sq_checkpoint or default_sq_checkpoint_dir(args.model), args.model,
-                                  progress=not args.no_progress)
+                                  progress=not args.no_progress, data_dir=data_dir)
     for config in configs:
         started = time.perf_counter()
         try:
@@ -177,7 +177,7 @@ def run_ppl(args) -> int:
                         "windows": len(windows), "total_windows": total_windows})
     rows = []
     max_model_len = min(max_pos, -(-(window + 1) // 16) * 16)  # room for the window + the 1 sampled token
-    for config, scorer, load_s in _scorers(args, configs, max_model_len):
+    for config, scorer, load_s in _scorers(args, configs, max_model_len, data_dir):
         if isinstance(scorer, str):
             rows.append(_error_row(config, scorer))
         else:
@@ -241,7 +241,7 @@ def run_tasks(args) -> int:
     out = Path(args.out)
     meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}})
     rows = []
-    for config, scorer, load_s in _scorers(args, configs, max_model_len):
+    for config, scorer, load_s in _scorers(args, configs, max_model_len, data_dir):
         if isinstance(scorer, str):
             rows.append(_error_row(config, scorer))
         else:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 ENV_DATA = "EIGHTBIT_DATA"
 ENV_SQ_CHECKPOINT = "EIGHTBIT_SQ_CHECKPOINT"
+WIKITEXT_VALID = "wikitext-2/wiki.valid.raw"  # the SmoothQuant checkpoint's calibration text
 
 
 # --- data ---------------------------------------------------------------------------------
@@ -282,9 +283,11 @@ def calibration_record(sq_checkpoint) -> dict:
     return {k: summary[k] for k in ("source_model", "data", "alpha", "sample_tokens") if k in summary}
 
 
-def ensure_sq_checkpoint(path, model=None, progress=True) -> Path:
+def ensure_sq_checkpoint(path, model=None, progress=True, data_dir=None) -> Path:
     """The SmoothQuant W8A8 checkpoint at `path`, made with `quantize(model, path)` if it is not there.
-    An existing one must have been made from `model` (its calibration record names the source)."""
+    An existing one must have been made from `model` (its calibration record names the source).
+    A new one calibrates on $EIGHTBIT_CALIB_DATA if set, else on data_dir's WikiText-2 valid split (the eval
+    data's own copy; eval scores the test split), else on quantize's default."""
     path = Path(path)
     if (path / "config.json").is_file():
         _check_sq_source(path, model)
@@ -294,10 +297,15 @@ def ensure_sq_checkpoint(path, model=None, progress=True) -> Path:
     elif path.exists():
         raise ValueError(f"the SmoothQuant checkpoint {path} exists but holds no checkpoint (no config.json): "
                          f"remove it, or pass another --sq-checkpoint")
+    from eightbit.calibrate.data import ENV_VAR
     from eightbit.quant.cli import quantize
 
+    calib = None
+    if not os.environ.get(ENV_VAR) and data_dir is not None and (Path(data_dir) / WIKITEXT_VALID).is_file():
+        calib = str(Path(data_dir) / WIKITEXT_VALID)
     print(f"[eval] making the SmoothQuant checkpoint {path} (eightbit quantize, alpha=auto)", flush=True)
-    quantize(model, path, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the default lives in a cache folder nothing else makes
+    quantize(model, path, calib_data=calib, progress=progress)
     return path
 
 

@@ -45,15 +45,17 @@ def quantize(
     (see calibrate.data). alpha: "auto" (per layer and point, from a grid), a float, or None.
     device: where calibration runs ("auto": the GPU if there is one, else the CPU). seq_len: tokens per
     calibration window (None: DEFAULT_SEQ_LEN, or the model's context where that is shorter).
+    convert_options (quant.convert.convert's): max_shard_bytes, sample_tokens (the calibration tokens the error of
+    each alpha is measured on), batch_size (calibration windows a forward), alpha_grid (the alphas "auto" tries).
     Returns the calibration summary written into the checkpoint. Raises QuantizeError
     (a ValueError) on bad input; on any failure `out` is left untouched.
     """
     from eightbit.calibrate.data import default_calibration_source, load_calibration_text, make_windows
     from eightbit.engine.weights import CheckpointError, open_checkpoint
-    from eightbit.quant.convert import convert
+    from eightbit.quant.convert import check_convert_options, convert
     from eightbit.quant.hf_layers import check_source
     from eightbit.quant.schemes import KVCacheScheme, head_dim
-    from eightbit.quant.writer import check_output_path
+    from eightbit.quant.writer import check_output_path, leftover_temp_dirs
 
     if out is None:
         raise QuantizeError("no output directory given")
@@ -61,6 +63,12 @@ def quantize(
     alpha = _parse_alpha(alpha)
     seq_len = _check_sizes(src, num_samples, seq_len, kv_group_size)
     check_output_path(out, overwrite)
+    check_convert_options(**convert_options)
+    leftovers = leftover_temp_dirs(out)
+    if leftovers:
+        print(f"note: {', '.join(p.name for p in leftovers)} in {out.resolve().parent} hold the partial output of an "
+              f"earlier run that was killed (or of one still running): remove them to free their space",
+              file=sys.stderr, flush=True)
     device = _resolve_device(device)
     source = calib_data if calib_data is not None else default_calibration_source()
     text = load_calibration_text(str(source))  # before the (slow) model: fail fast on bad data

@@ -63,6 +63,21 @@ def _write_layer(writer: ShardWriter, prefix: str, layer: torch.nn.Module) -> No
             writer.add(full, p.data.to(FLOAT_DTYPE))
 
 
+def check_convert_options(max_shard_bytes=DEFAULT_SHARD_BYTES, sample_tokens=2048, batch_size=8,
+                          alpha_grid=ALPHA_GRID) -> None:
+    """Raise QuantizeError for an option convert() cannot use (a TypeError names an unknown one)."""
+    for name, value in (("max_shard_bytes", max_shard_bytes), ("sample_tokens", sample_tokens),
+                        ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise QuantizeError(f"{name} must be an int >= 1, got {value!r}")
+    try:
+        grid = [float(a) for a in alpha_grid]
+    except (TypeError, ValueError):
+        grid = None
+    if not grid or not all(0.0 <= a <= 1.0 for a in grid):
+        raise QuantizeError(f"alpha_grid must be a non-empty sequence of numbers in [0, 1], got {alpha_grid!r}")
+
+
 def convert(
     checkpoint,
     out,
@@ -86,6 +101,7 @@ def convert(
     differs from the CPU's only by float rounding). Returns the calibration summary stored
     in the checkpoint.
     """
+    check_convert_options(max_shard_bytes, sample_tokens, batch_size, alpha_grid)
     config = checkpoint.config
     kv = KVCacheScheme(group_size=kv_group_size)
     try:
@@ -125,24 +141,29 @@ def convert(
             bar.set_postfix({p: ("-" if r["alpha"] is None else r["alpha"]) for p, r in record.items()})
         del hidden
 
-        tail = ["model.norm.weight"] + ([] if tied else ["lm_head.weight"])
-        for name in tqdm(tail, desc="write norm/lm_head", disable=not progress):
-            try:
-                t = checkpoint.get_tensor(name)
-            except KeyError as e:
-                raise QuantizeError(f"the checkpoint has no tensor {name!r}") from e
-            writer.add(name, _finite(name, t).to(FLOAT_DTYPE))
-        writer.close()
-
+        _add_tail(writer, checkpoint, tied)
         summary = _summary(calibration, alpha, alpha_grid, sample_tokens, records, time.time() - started, device)
         summary["source_model"] = source_model(checkpoint)
-        _write_config(tmp, config, build_quantization_config(scheme, summary))
-        for step in tqdm(("generation_config", "tokenizer"), desc="write config/tokenizer", disable=not progress):
-            if step == "generation_config" and checkpoint.generation_config is not None:
+        tokenizer = tokenizer or checkpoint.load_tokenizer()
+        try:  # a full disk here is as clear as in the shards' writes (ShardWriter.flush)
+            writer.close()
+            _write_config(tmp, config, build_quantization_config(scheme, summary))
+            if checkpoint.generation_config is not None:
                 checkpoint.generation_config.save_pretrained(tmp)
-            elif step == "tokenizer":
-                (tokenizer or checkpoint.load_tokenizer()).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except OSError as e:
+            raise QuantizeError(f"cannot write the checkpoint in {tmp}: {e}") from None
     return summary
+
+
+def _add_tail(writer, checkpoint, tied) -> None:
+    """The final norm, and lm_head unless it is the embedding's."""
+    for name in ["model.norm.weight"] + ([] if tied else ["lm_head.weight"]):
+        try:
+            t = checkpoint.get_tensor(name)
+        except KeyError as e:
+            raise QuantizeError(f"the checkpoint has no tensor {name!r}") from e
+        writer.add(name, _finite(name, t).to(FLOAT_DTYPE))
 
 
 def source_model(checkpoint) -> str:

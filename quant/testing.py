@@ -74,9 +74,11 @@ def make_tiny_checkpoint(
     config = tiny_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for p in model.parameters():  # HF's init (std 0.02) gives near-linear, dull activations
+        for name, p in model.named_parameters():  # HF's init (std 0.02) gives near-linear, dull activations
             if p.dim() == 2:
                 p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+            elif name.endswith(".bias"):  # HF's are zeros, which would let any bias handling pass
+                p.normal_(0, 0.1)
         if outliers:
             g = torch.Generator().manual_seed(seed)
             for layer in model.model.layers:

@@ -42,16 +42,24 @@ def check_output_path(out: Path, overwrite: bool) -> None:
     """Raise QuantizeError unless `out` may be written: new, or (with overwrite) replaceable, in a folder we may
     write in (checked before the model loads, not after)."""
     out = Path(out).resolve()  # a symlink is replaced at its target; "." by its absolute path
+    if out.exists() and not out.is_dir():
+        raise QuantizeError(f"{out} exists and is not a directory: a checkpoint is a folder, pass another OUT")
     if out.exists() and not overwrite:
         raise QuantizeError(f"{out} already exists: pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise QuantizeError(f"{out} exists and is not a directory")
     if out.exists():
         _check_replaceable(out)
     if not out.parent.is_dir():
         raise QuantizeError(f"the parent folder of {out} does not exist")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise QuantizeError(f"cannot write in {out.parent} (permission denied)")
+
+
+def leftover_temp_dirs(out) -> list[Path]:
+    """The temp folders of `out` that a killed run left beside it (SIGKILL, the OOM killer: nothing could remove
+    them), or that a run still going is writing."""
+    out = Path(out).resolve()
+    return sorted(p for pattern in (f".{out.name}.tmp-*", f".{out.name}.old-*") for p in out.parent.glob(pattern)
+                  if p.is_dir())
 
 
 def _check_replaceable(out: Path) -> None:

@@ -49,6 +49,14 @@ def test_missing_calibration_file_is_an_error(tmp_path):
         load_calibration_text(str(tmp_path))
 
 
+def test_a_calibration_file_that_is_not_utf8_is_named_as_such(tmp_path):
+    """datasets reports "An error occurred while generating the dataset", its UnicodeDecodeError hidden behind."""
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 100)
+    with pytest.raises(QuantizeError, match=r"latin1.txt is not UTF-8 text \(invalid continuation byte: b'\\xe9"):
+        load_calibration_text(str(f))
+
+
 def test_datasets_source_from_a_local_folder(tmp_path):
     folder = tmp_path / "ds"
     folder.mkdir()

@@ -133,3 +133,61 @@ def test_device_option_and_bad_devices(tmp_path, monkeypatch):
     with pytest.raises(cli.QuantizeError, match="no CUDA GPU"):
         cli.quantize(None, tmp_path / "out", device="cuda")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("sample_tokens", 0, "sample_tokens must be an int >= 1, got 0"),
+    ("batch_size", "8", "batch_size must be an int >= 1, got '8'"),
+    ("max_shard_bytes", -1, "max_shard_bytes must be an int >= 1"),
+    ("alpha_grid", (), "alpha_grid must be a non-empty sequence of numbers in [0, 1]"),
+    ("alpha_grid", (0.5, 2.0), "alpha_grid must be a non-empty sequence of numbers in [0, 1]"),
+])
+def test_the_python_apis_conversion_options_are_checked_before_the_model_loads(tmp_path, no_model_loading, option,
+                                                                                value, message):
+    """quantize(**convert_options) took sample_tokens=0 to a KeyError deep in the calibration."""
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        cli.quantize(src, tmp_path / "q", calib_data=str(tmp_path / "none"), **{option: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sampel_tokens'"):
+        cli.quantize(src, tmp_path / "q", calib_data=str(tmp_path / "none"), sampel_tokens=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_file_at_out_is_named_as_such_and_leftovers_of_a_killed_run_are_pointed_out(tmp_path, capsys):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    (tmp_path / "afile").write_text("mine")
+    for extra in ([], ["--overwrite"]):  # no advice to pass --overwrite, which would refuse it anyway
+        assert cli.run_quantize(parse([str(src), str(tmp_path / "afile"), "--calib-data", str(calib)] + extra)) == 2
+        err = capsys.readouterr().err
+        assert "exists and is not a directory" in err and "--overwrite" not in err
+    assert (tmp_path / "afile").read_text() == "mine"
+    killed = tmp_path / ".q.tmp-abc123"  # what a SIGKILLed run leaves: nothing could remove it
+    killed.mkdir()
+    argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
+            "--no-progress"]
+    assert cli.run_quantize(parse(argv)) == 0
+    assert f"note: .q.tmp-abc123 in {tmp_path} hold the partial output of an earlier run" in capsys.readouterr().err
+    assert killed.is_dir()  # pointed out, not deleted: it may be a run still going
+
+
+def test_a_full_disk_while_writing_the_config_or_tokenizer_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    """Only the shards' writes turned a full disk into a message; the small files after them raised OSError."""
+    import errno
+
+    from transformers import PreTrainedTokenizerBase
+
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full)
+    argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
+            "--no-progress"]
+    assert cli.run_quantize(parse(argv)) == 2
+    assert "cannot write the checkpoint in" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "src"]  # the temp folder removed

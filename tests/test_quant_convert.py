@@ -431,7 +431,7 @@ def test_an_empty_sq_checkpoint_folder_is_made_and_a_foreign_one_refused(tmp_pat
 
     made = []
 
-    def fake_quantize(model, out, progress=True):  # stands for the real conversion, tested above
+    def fake_quantize(model, out, calib_data=None, progress=True):  # stands for the real conversion, tested above
         made.append(Path(out))
         Path(out).mkdir()
         (Path(out) / "config.json").write_text("{}")
@@ -639,3 +639,30 @@ def test_gpu_calibration_matches_cpu(tmp_path, src, calib):
             else:  # bf16 tensors may round to a neighbouring value (one bf16 step, 2^-8 relative)
                 rtol = 1e-4 if t.dtype == torch.float32 else 2**-7
                 torch.testing.assert_close(t.float(), tg[name].float(), rtol=rtol, atol=1e-6, msg=name)
+
+
+def test_eval_makes_its_sq_checkpoints_folder_and_calibrates_on_its_data_dirs_valid_text(tmp_path, monkeypatch):
+    """On a fresh machine the default checkpoint's cache folder does not exist yet, and with a regular install
+    quantize's default calibration text (beside the source tree) is not there: eval brings both."""
+    from eightbit.eval.configs import WIKITEXT_VALID, ensure_sq_checkpoint
+    from eightbit.quant import cli
+
+    calls = []
+
+    def fake_quantize(model, out, calib_data=None, progress=True):
+        calls.append(calib_data)
+        Path(out).mkdir()  # as the real one: its parent must exist
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(cli, "quantize", fake_quantize)
+    monkeypatch.delenv("EIGHTBIT_CALIB_DATA", raising=False)
+    data = tmp_path / "data"
+    (data / WIKITEXT_VALID).parent.mkdir(parents=True)
+    (data / WIKITEXT_VALID).write_text("valid text\n")
+    out = tmp_path / "cache" / "eightbit" / "eval" / "m-w8a8-smoothquant"
+    assert ensure_sq_checkpoint(out, model="m", progress=False, data_dir=data) == out
+    assert calls == [str(data / WIKITEXT_VALID)]
+    monkeypatch.setenv("EIGHTBIT_CALIB_DATA", "mine.txt")  # the user's choice wins: quantize reads it
+    ensure_sq_checkpoint(tmp_path / "b", model="m", progress=False, data_dir=data)
+    ensure_sq_checkpoint(tmp_path / "c", model="m", progress=False, data_dir=tmp_path / "no-valid-text")
+    assert calls[1:] == [None, None]

@@ -51,6 +51,19 @@ def test_a_tensor_in_two_files_is_refused(tmp_path):
         open_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("index, message", [
+    ('{"metadata": {}}', r"KeyError: 'weight_map'"),
+    ('{"weight_map": ', "JSONDecodeError: Expecting value"),
+    ('{"weight_map": ["model.safetensors"]}', "weight_map is not a map of tensor names to file names"),
+])
+def test_a_broken_shard_index_is_named(tmp_path, index, message):
+    write_config(tmp_path, model_type="llama")
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json is not a valid shard index \(.*{message}"):
+        open_checkpoint(tmp_path)
+
+
 def test_garbage_safetensors(tmp_path):
     write_config(tmp_path, model_type="llama")
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
