@@ -277,6 +277,8 @@ def compiled():
 def check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name):
     """checks.attention, then what the prefill and decode kernels need on top. Returns (quant, group_size)."""
     quant, group = checks.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name}: q must be float16/bfloat16/float32, got {q.dtype}")
     d, page = q.shape[2], k_cache.shape[1]
     if d < 16 or d & (d - 1):
         raise ValueError(f"{name}: head_dim must be a power of two >= 16, got {d}")

@@ -157,3 +157,13 @@ def test_ops_show_the_signature_both_backends_share(op):
 def test_ops_take_their_first_argument_by_keyword():
     x = torch.randn(2, 5)
     assert all(torch.equal(a, b) for a, b in zip(ops.quant_per_token(x=x), R.quant_per_token(x)))
+
+
+def test_the_reference_takes_float64_as_the_gpu_tests_oracle_and_the_kernels_refuse_it():
+    """FlashAttention's accuracy rule measures the kernels against the reference run in float64."""
+    args = prefill_args(q=torch.randn(3, 4, 16, dtype=torch.float64), k_cache=torch.randn(6, 4, 2, 16).double(),
+                        v_cache=torch.randn(6, 4, 2, 16).double(), k_scale=None, v_scale=None)
+    out = R.prefill_attention(**args)
+    assert out.dtype == torch.float64 and out.isfinite().all()
+    with pytest.raises(ValueError, match="q must be float16/bfloat16/float32, got torch.float64"):
+        pmod.prefill_attention(**args)
