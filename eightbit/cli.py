@@ -84,9 +84,9 @@ def main(argv=None) -> int:
         print(f"eightbit {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
-        note = getattr(args, "interrupt_note", None)
-        print(f"\neightbit {args.command}: interrupted" + (f"; {note.format(**vars(args))}" if note else ""),
-              file=sys.stderr)
+        note = getattr(args, "interrupt_note", None)  # a string of the args' fields, or a function of them
+        note = note(args) if callable(note) else note.format(**vars(args)) if note else None
+        print(f"\neightbit {args.command}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr)
         return 130
 
 

@@ -34,7 +34,7 @@ def add_bench_parser(subparsers):
     p.add_argument("--benches", default="latency,throughput", help="for `run`: comma list of " + ",".join(ALL_BENCHES))
     p.add_argument("--model", default="llama-3-8b", help="a dummy shape: llama-3-8b, llama-3.2-1b, llama-2-7b, llama-tiny")
     p.add_argument("--device", default=None, help="default: cuda if available")
-    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="results dir (default $OUT)")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="results dir (default: $OUT, else ./bench_out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-cap", type=float, default=None, help="soft wall-clock budget of this process, seconds")
     p.add_argument("--throughput-cap", type=float, default=None,

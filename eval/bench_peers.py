@@ -32,6 +32,7 @@ from eightbit.eval.bench_common import (
     weight_bytes,
 )
 from eightbit.eval.bench_engine import Deadline
+from eightbit.eval.peers import quiet_bitsandbytes
 
 PEER_SYSTEMS = {
     "hf-bf16": dict(quant=None, static=False),
@@ -46,6 +47,7 @@ def _quiet():
     warnings.filterwarnings("ignore", message=r".*cast.*float16.*")
     warnings.filterwarnings("ignore", message=r".*MatMul8bitLt.*")
     warnings.filterwarnings("ignore", module=r"bitsandbytes.*")
+    quiet_bitsandbytes()
     try:
         import transformers
 

@@ -34,10 +34,11 @@ def add_eval_parser(subparsers):
                        help="SmoothQuant W8A8 checkpoint for the w8a8-sq configs; made with `eightbit quantize` "
                             "if it does not exist (default: $EIGHTBIT_SQ_CHECKPOINT or ~/.cache/eightbit/eval/...)")
         q.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="engine KV-cache size (default: 2.0)")
-        q.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON, markdown table and PNG chart")
+        q.add_argument("--out", default=DEFAULT_OUT,
+                       help=f"folder for the JSON, markdown table and PNG chart (default: ./{DEFAULT_OUT})")
         q.add_argument("--no-progress", action="store_true", help="no progress bars")
         q.add_argument("--overwrite", action="store_true", help="replace an earlier run's results in --out")
-        q.set_defaults(interrupt_note="the configurations finished before it are in {out}")
+        q.set_defaults(interrupt_note=_interrupt_note)
 
     q = sub.add_parser("ppl", help="WikiText-2 (raw, test) perplexity over non-overlapping windows")
     common(q)
@@ -48,11 +49,19 @@ def add_eval_parser(subparsers):
 
     q = sub.add_parser("tasks", help="ARC-Easy, HellaSwag, LAMBADA (lm-eval-style log-likelihood scoring)")
     common(q)
-    q.add_argument("--tasks", default="arc_easy,hellaswag,lambada")
+    q.add_argument("--tasks", default="arc_easy,hellaswag,lambada",
+                   help="comma list of arc_easy, hellaswag, lambada (default: all three)")
     q.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
     q.add_argument("--max-model-len", type=int, default=2048, help="engine context (the longest item must fit)")
     q.set_defaults(func=run_tasks)
     return p
+
+
+def _interrupt_note(args) -> str:
+    """What Ctrl-C leaves: the results are rewritten after every configuration (_write_results)."""
+    if getattr(args, "results_written", False):
+        return f"the configurations finished before it are in {args.out}"
+    return f"no configuration had finished: nothing was written to {args.out}"
 
 
 def _meta(args, extra) -> dict:
@@ -191,6 +200,7 @@ def run_ppl(args) -> int:
                 rows.append(_error_row(config, f"{type(e).__name__}: {e}"))
         header, table = _ppl_header(meta, rows), report.ppl_table(rows)
         chart = _write_results(out, "ppl", meta, rows, header, table, report.ppl_chart)
+        args.results_written = True
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'ppl.json'}, {out / 'ppl.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r for r in rows) else 1
@@ -260,6 +270,7 @@ def run_tasks(args) -> int:
             rows.append(row)
         header, table = f"Zero-shot tasks, {meta['machine']}, {meta['date']}", report.tasks_table(rows, tasks)
         chart = _write_results(out, "tasks", meta, rows, header, table, report.tasks_chart, tasks)
+        args.results_written = True
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'tasks.json'}, {out / 'tasks.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r and "task_errors" not in r for r in rows) else 1

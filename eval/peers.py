@@ -8,6 +8,7 @@ the engine scores, so every difference in the table is the configuration's own.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 
 import torch
@@ -63,12 +64,19 @@ def load_peer(config, model_path=None, device="cpu"):
     raise ValueError(f"{config.name}: no HF loader for weights={config.weights!r}")
 
 
+def quiet_bitsandbytes():
+    """bitsandbytes logs 'MatMul8bitLt: inputs will be cast ...' at every int8 matmul of a bf16 model (hundreds of
+    lines a perplexity window), through logging, which warnings filters do not reach."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
 def _load_bnb(model_path, dtype, device):
     try:
         import bitsandbytes  # noqa: F401
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     except ImportError as e:
         raise PeerNotRunnable(f"bitsandbytes is not installed ({e})") from e
+    quiet_bitsandbytes()
     float_model = _float_model(model_path, torch.float32)
     with tempfile.TemporaryDirectory(prefix="eightbit-bnb-") as tmp:
         float_model.save_pretrained(tmp)  # bnb quantizes during from_pretrained: go through a float export

@@ -85,3 +85,18 @@ def test_quantized_peers_build_and_generate(name, hf_tiny):
     assert system.weights["lm_head"] == hf_tiny.weights["lm_head"]  # left in bf16, like HF's default
     n, _, _ = system.generate([[5, 6, 7], [8]], 2)
     assert n == 2
+
+
+def test_bitsandbytes_per_matmul_log_lines_are_silenced(caplog):
+    """'MatMul8bitLt: inputs will be cast ...' comes through logging at every int8 matmul (hundreds of lines a
+    perplexity window), where warnings filters do not reach."""
+    import logging
+
+    from eightbit.eval.peers import quiet_bitsandbytes
+
+    log = logging.getLogger("bitsandbytes.autograd._functions")
+    quiet_bitsandbytes()
+    with caplog.at_level(logging.NOTSET):
+        log.warning("MatMul8bitLt: inputs will be cast from torch.bfloat16 to float16 during quantization")
+        log.error("a real error")
+    assert [r.getMessage() for r in caplog.records] == ["a real error"]

@@ -70,7 +70,8 @@ def test_generate_refuses_an_empty_prompt_with_or_without_chat(capsys, monkeypat
 
 
 def test_ctrl_c_ends_with_a_line_and_exit_130(capsys, monkeypatch, tmp_path):
-    """Ctrl-C: one line on stderr instead of a traceback (eval says where its finished rows are), exit 130."""
+    """Ctrl-C: one line on stderr instead of a traceback (eval says where its finished rows are, or that none
+    had finished), exit 130."""
     import eightbit.eval.cli as eval_cli
 
     def interrupted(args):
@@ -79,7 +80,7 @@ def test_ctrl_c_ends_with_a_line_and_exit_130(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(eval_cli, "run_tasks", interrupted)
     assert main(["eval", "tasks", "--out", str(tmp_path)]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == f"eightbit eval: interrupted; the configurations finished before it are in {tmp_path}"
+    assert err.strip() == f"eightbit eval: interrupted; no configuration had finished: nothing was written to {tmp_path}"
     monkeypatch.setattr("eightbit.cli.run_generate", interrupted)
     assert main(["generate", "hi"]) == 130
     assert capsys.readouterr().err.strip() == "eightbit generate: interrupted"
