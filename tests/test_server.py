@@ -501,8 +501,16 @@ def test_non_stream_disconnect_aborts(server):
     wait_idle(server)
     body = {"model": MODEL, "prompt": "Write a very long essay about mountains.", "max_tokens": 1500,
             "ignore_eos": True}
+    closed = 'eightbit_http_responses_total{endpoint="/v1/completions",status="499"}'
+    before = metrics(server).get(closed, 0)
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/v1/completions", body, timeout=httpx.Timeout(60, read=1.0))
+    # the client may give up before its request reaches the engine (a slow machine): wait for the handler to see
+    # the disconnect (it aborts its request, then answers 499) before asking whether the engine is idle
+    deadline = time.monotonic() + 10
+    while metrics(server).get(closed, 0) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics(server).get(closed, 0) == before + 1
     idle = wait_idle(server)
     assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
     assert not in_process(server) or not server.async_engine.engine.requests
