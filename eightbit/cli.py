@@ -84,8 +84,9 @@ def main(argv=None) -> int:
         print(f"eightbit {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
-        note = getattr(args, "interrupt_note", None)  # a string of the args' fields, or a function of them
-        note = note(args) if callable(note) else note.format(**vars(args)) if note else None
+        note = getattr(args, "interrupt_note", None)  # a string, or a function of the args
+        if callable(note):
+            note = note(args)
         print(f"\neightbit {args.command}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr)
         return 130
 

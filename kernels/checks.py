@@ -86,7 +86,7 @@ def v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype):
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def v_cache(k_cache, v_cache):
+def v_cache_layout(k_cache, v_cache):
     """v_cache has the layout a k_cache of its shape asks for, and k_cache's dtype."""
     want = v_cache_shape(*k_cache.shape, v_cache.dtype)
     if tuple(v_cache.shape) != want or v_cache.dtype != k_cache.dtype:
@@ -95,12 +95,12 @@ def v_cache(k_cache, v_cache):
                          f"{tuple(v_cache.shape)}")
 
 
-def cache(k_cache, v_cache_, k_scale, v_scale, name):
+def cache(k_cache, v_cache, k_scale, v_scale, name):
     """k_cache [num_blocks, block_size, Hkv, D]; V to match; scales [num_blocks, block_size, Hkv, D // G] of one
     float dtype for an int8 cache, none for a float cache. Returns (quant, group size G)."""
     if k_cache.dim() != 4:
         raise ValueError(f"{name}: k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
-    v_cache(k_cache, v_cache_)
+    v_cache_layout(k_cache, v_cache)
     d = k_cache.shape[3]
     quant = k_cache.dtype == torch.int8
     if not quant:
@@ -122,16 +122,16 @@ def cache(k_cache, v_cache_, k_scale, v_scale, name):
     return True, d // ng
 
 
-def kv_write(k, v, k_cache, v_cache_, k_scale, v_scale, slot_mapping):
+def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     """k and v [T, Hkv, D] to a cache of the same Hkv and D, slot_mapping [T]. Returns quant."""
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"kv_write: k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    quant, _ = cache(k_cache, v_cache_, k_scale, v_scale, "kv_write")
+    quant, _ = cache(k_cache, v_cache, k_scale, v_scale, "kv_write")
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"kv_write: cache heads/head_dim {tuple(k_cache.shape[2:])} do not match k's "
                          f"{tuple(k.shape[1:])}")
     _index_vector(slot_mapping, k.shape[0], "slot_mapping", "kv_write")
-    _same_device((v, k_cache, v_cache_, k_scale, v_scale, slot_mapping), k.device, "kv_write")
+    _same_device((v, k_cache, v_cache, k_scale, v_scale, slot_mapping), k.device, "kv_write")
     if metadata_checks.active(k.device):
         metadata_checks.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1], "kv_write")
     return quant
@@ -156,7 +156,7 @@ def rope(q, k, positions, cos_sin_cache):
 # --- attention -----------------------------------------------------------------------------
 
 
-def attention(q, k_cache, v_cache_, k_scale, v_scale, block_tables, seq_lens, name):
+def attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, name):
     """q [tokens, Hq, D] in a float dtype (float64 too: the reference is the GPU tests' float64 oracle) over a
     cache of the same D whose Hkv divides Hq; block_tables [B, width] and seq_lens [B] of int32/int64. Returns
     (quant, group size G)."""
@@ -164,7 +164,7 @@ def attention(q, k_cache, v_cache_, k_scale, v_scale, block_tables, seq_lens, na
         raise ValueError(f"{name}: q must be [tokens, Hq, D], got {tuple(q.shape)}")
     if not q.dtype.is_floating_point:
         raise ValueError(f"{name}: q must be a float tensor, got {q.dtype}")
-    quant, group = cache(k_cache, v_cache_, k_scale, v_scale, name)
+    quant, group = cache(k_cache, v_cache, k_scale, v_scale, name)
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d:
@@ -175,7 +175,7 @@ def attention(q, k_cache, v_cache_, k_scale, v_scale, block_tables, seq_lens, na
         raise ValueError(f"{name}: block_tables must be an int32/int64 [B, max_blocks] tensor, "
                          f"got {block_tables.dtype} {tuple(block_tables.shape)}")
     _index_vector(seq_lens, block_tables.shape[0], "seq_lens", name)
-    _same_device((k_cache, v_cache_, k_scale, v_scale, block_tables, seq_lens), q.device, name)
+    _same_device((k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens), q.device, name)
     if metadata_checks.active(q.device):
         metadata_checks.check_tables(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1], name)
     return quant, group

@@ -107,7 +107,7 @@ def rotary(q, k, positions, cos_sin_cache):
 
 def v_token_major(k_cache, v_cache):
     """v_cache as a [num_blocks, block_size, Hkv, D] view (no copy; writes go to the cache)."""
-    checks.v_cache(k_cache, v_cache)
+    checks.v_cache_layout(k_cache, v_cache)
     return v_cache.permute(0, 3, 1, 2) if v_cache.dtype == torch.int8 else v_cache
 
 
