@@ -1,8 +1,10 @@
 """The engine's one configuration object, validated on construction."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from eightbit.engine.sampling_params import is_bool, is_finite_number, is_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -41,19 +43,33 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
             # the attention kernels read whole aligned runs of a page's keys (an int8 V page is key-minor)
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_model_len", "num_kv_blocks", "kv_group_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_gb is not None and (
+                not is_finite_number(self.kv_cache_memory_gb) or self.kv_cache_memory_gb <= 0):
+            raise ValueError(f"kv_cache_memory_gb must be a positive number or None, got {self.kv_cache_memory_gb!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+            if not is_bool(getattr(self, name)):  # a string such as "false" would read as on
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for f in fields(self):  # numpy numbers (checked above) as Python ones
+            value = getattr(self, f.name)
+            if is_bool(value):
+                setattr(self, f.name, bool(value))
+            elif is_int(value):
+                setattr(self, f.name, int(value))
+            elif is_finite_number(value):
+                setattr(self, f.name, float(value))
         if self.kv_group_size is not None and self.kv_cache_dtype != "int8":
             raise ValueError("kv_group_size applies to the int8 KV cache only: pass kv_cache_dtype='int8' with it")
         if self.device is None:

@@ -39,7 +39,8 @@ class LLM:
         prompts = self._as_list(prompts)
         params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
                                   "sampling params", SamplingParams)
-        priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities", int)
+        priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities",
+                                      numbers.Integral)
         ids = self._add(prompts, params, priorities, final_only=True)
         finished = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar, \
@@ -50,15 +51,25 @@ class LLM:
                     bar.update(1)
         return [finished[i] for i in ids]
 
-    def stream(self, prompts, sampling_params=None):
-        """Yield (prompt index, RequestOutput) every time a request advances; `outputs[i].delta` is its new text.
+    def stream(self, prompts, sampling_params=None, priority=None):
+        """An iterator of (prompt index, RequestOutput), one every time a request advances; `outputs[i].delta` is
+        its new text. The deltas of one completion, joined, equal its final text.
 
-        The deltas of one completion, joined, equal its final text.
+        Invalid input raises from this call, not from the first `next()`. The requests are added at the first
+        `next()` (an iterator never consumed leaves nothing behind) and run as it is consumed; one closed or
+        dropped early aborts the requests still running.
         """
         prompts = self._as_list(prompts)
         params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(prompts),
                                   "sampling params", SamplingParams)
-        ids = self._add(prompts, params, [0] * len(prompts), final_only=False)
+        priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities",
+                                      numbers.Integral)
+        for prompt, p, prio in zip(prompts, params, priorities):
+            self.engine.check_request(prompt, p, prio)
+        return self._stream(prompts, params, priorities)
+
+    def _stream(self, prompts, params, priorities):
+        ids = self._add(prompts, params, priorities, final_only=False)
         index = {request_id: i for i, request_id in enumerate(ids)}
         with closing(self._run(ids)) as outputs:  # closed, and so aborted, when the consumer stops early
             for out in outputs:
@@ -115,6 +126,8 @@ class LLM:
         try:
             for prompt, p, prio in zip(prompts, params, priorities):
                 request_id = str(next(self._ids))
+                while request_id in self.engine.requests:  # one added straight to the engine has it
+                    request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, p, prio, final_only=final_only)
                 ids.append(request_id)
         except Exception:
@@ -145,8 +158,9 @@ class LLM:
 
     @staticmethod
     def _per_prompt(value, n, what, kind):
-        """One value per prompt: a single `kind` is shared by all; a list must have one `kind` for each."""
-        if isinstance(value, kind):
+        """One value per prompt: a single `kind` is shared by all; a list must have one `kind` for each. A bool is
+        no int here."""
+        if isinstance(value, kind) and not isinstance(value, bool):
             return [value] * n
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"{what}: expected one value or a list of one per prompt, got {type(value).__name__}")
@@ -154,8 +168,12 @@ class LLM:
             raise ValueError(f"got {len(value)} {what} for {n} prompts")
         for i, v in enumerate(value):
             if not isinstance(v, kind) or isinstance(v, bool):
-                raise TypeError(f"{what}[{i}] must be {kind.__name__}, got {type(v).__name__}")
+                raise TypeError(f"{what}[{i}] must be {_kind_name(kind)}, got {type(v).__name__}")
         return list(value)
+
+
+def _kind_name(kind) -> str:
+    return "int" if kind is numbers.Integral else kind.__name__
 
 
 def _is_number(t) -> bool:

@@ -26,7 +26,7 @@ from eightbit.engine.sampler import (
     make_generator,
     sample,
 )
-from eightbit.engine.sampling_params import SamplingParams
+from eightbit.engine.sampling_params import SamplingParams, is_int
 from eightbit.engine.scheduler import Scheduler
 from eightbit.engine.sequence import Request, Sequence
 from eightbit.engine.transfer import to_device
@@ -181,7 +181,7 @@ class LLMEngine:
             raise ValueError("first_token_output goes with final_only: other requests are reported at every step")
         params = SamplingParams() if sampling_params is None else sampling_params
         text, token_ids = self.check_request(prompt, params, priority)
-        request = Request(request_id, text, token_ids, params, priority, time.monotonic(), final_only, delta,
+        request = Request(request_id, text, token_ids, params, int(priority), time.monotonic(), final_only, delta,
                           first_token_output)
         self._init_sequence(request.seqs[0])
         self.requests[request_id] = request
@@ -193,9 +193,10 @@ class LLMEngine:
         prompt's (text or None, token ids). Changes nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: a field may have changed since construction
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        if not isinstance(priority, int):
+        if not is_int(priority):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the samples of a "
@@ -334,7 +335,7 @@ class LLMEngine:
 
     def _ends_by_length(self, seq) -> bool:
         """Whether the token being sampled for seq now is its last (max_tokens or max_model_len)."""
-        max_tokens = seq.params.max_tokens or self.max_model_len
+        max_tokens = self.max_model_len if seq.params.max_tokens is None else seq.params.max_tokens
         return seq.num_output_tokens + 1 >= max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
     def _complete_step(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -406,7 +407,7 @@ class LLMEngine:
             delta = detok.add_tokens([token], check_stop)
             if detok.stopped:
                 seq.finish_reason, seq.stop_reason = "stop", detok.stop_string
-            elif seq.num_output_tokens >= (params.max_tokens or self.max_model_len):
+            elif seq.num_output_tokens >= (self.max_model_len if params.max_tokens is None else params.max_tokens):
                 seq.finish_reason = "length"
             elif seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"

@@ -7,18 +7,19 @@ import numbers
 from dataclasses import dataclass, fields
 
 
-def _is_bool(x) -> bool:
-    return isinstance(x, bool) or type(x).__name__ == "bool_"  # numpy's bool is no Python bool
+def is_bool(x) -> bool:
+    # numpy's bool is no Python bool (numpy.bool_, named numpy.bool since numpy 2)
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     """An integer of any kind (Python, numpy), not a bool."""
-    return isinstance(x, numbers.Integral) and not _is_bool(x)
+    return isinstance(x, numbers.Integral) and not is_bool(x)
 
 
-def _is_number(x) -> bool:
+def is_finite_number(x) -> bool:
     """A finite real number of any kind (Python, numpy), not a bool."""
-    return isinstance(x, numbers.Real) and not _is_bool(x) and math.isfinite(x)
+    return isinstance(x, numbers.Real) and not is_bool(x) and math.isfinite(x)
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM
@@ -69,22 +70,27 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and normalize stop, stop_token_ids, logit_bias and numpy numbers. Construction runs it,
+        and the engine again for each request it takes, so a field changed after construction is checked too."""
         def bad(field: str, value, need: str):
             raise ValueError(f"{field} must be {need}, got {value!r}")
 
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             bad("n", self.n, "an int >= 1")
-        if not _is_number(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "a finite number >= 0")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", self.top_p, "in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", self.top_k, "-1 or 0 (disabled) or an int >= 1")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", self.min_p, "in [0, 1]")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "None or an int >= 1")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad("seed", self.seed, "None or an int in [0, 2**63)")
 
         stop = self.stop
@@ -107,39 +113,42 @@ class SamplingParams:
             ids = list(ids)
         else:
             bad("stop_token_ids", self.stop_token_ids, "None or a list of int")
-        if not all(_is_int(t) and t >= 0 for t in ids):
+        if not all(is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of ints >= 0")
         self.stop_token_ids = ids
 
         for field in ("logprobs", "prompt_logprobs"):
             v = getattr(self, field)
-            if v is not None and (not _is_int(v) or v < 0):
+            if v is not None and (not is_int(v) or v < 0):
                 bad(field, v, "None or an int >= 0")
         for field in ("presence_penalty", "frequency_penalty"):
-            if not _is_number(getattr(self, field)) or not -2 <= getattr(self, field) <= 2:
+            if not is_finite_number(getattr(self, field)) or not -2 <= getattr(self, field) <= 2:
                 bad(field, getattr(self, field), "in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+        if not is_finite_number(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
             bad("repetition_penalty", self.repetition_penalty, "in [0.01, 100]")  # further, float32 overflows
-        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+        if not is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", self.min_tokens, "an int in [0, max_tokens]")
         bias = self.logit_bias
         if bias is not None and (not isinstance(bias, dict) or not all(
-                _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in bias.items())):
+                is_int(t) and t >= 0 and is_finite_number(b) and -100 <= b <= 100 for t, b in bias.items())):
             bad("logit_bias", bias, "None or a dict of token ids >= 0 to biases in [-100, 100]")
         self.logit_bias = {int(t): float(b) for t, b in bias.items()} if bias else None
         for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, field), bool):
+            if not is_bool(getattr(self, field)):
                 bad(field, getattr(self, field), "a bool")
         self._as_python_numbers()
 
     def _as_python_numbers(self) -> None:
-        """numpy scalars (checked above) become Python ints and floats, which is what the engine computes with."""
+        """numpy scalars (checked above) become Python bools, ints and floats, which is what the engine computes
+        with."""
         for f in fields(self):
             v = getattr(self, f.name)
-            if _is_int(v):
+            if is_bool(v):
+                setattr(self, f.name, bool(v))
+            elif is_int(v):
                 setattr(self, f.name, int(v))
-            elif _is_number(v):
+            elif is_finite_number(v):
                 setattr(self, f.name, float(v))
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 

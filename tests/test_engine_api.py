@@ -208,7 +208,12 @@ def test_invalid_sampling_params_name_the_field(field, value):
     ("quantization", "w4a16", "one of"), ("load_format", "pt", "one of"), ("max_model_len", 0, "positive"),
     ("num_kv_blocks", -1, "positive"), ("kv_group_size", 0, "positive"), ("gpu_memory_utilization", 1.5, r"\(0, 1\]"),
     ("kv_cache_memory_gb", 0, "positive"), ("device", "tpu", "'cpu', 'cuda' or 'cuda:N'"),
-    ("kv_group_size", 16, "int8 KV cache only"),
+    ("kv_group_size", 16, "int8 KV cache only"), ("seed", None, r"int in \[0, 2\*\*63\)"),
+    ("seed", -1, "int in"), ("seed", 1.5, "int in"), ("max_model_len", True, "positive integer"),
+    ("block_size", True, "positive integer"), ("kv_cache_memory_gb", float("nan"), "positive number"),
+    ("kv_cache_memory_gb", "1", "positive number"), ("gpu_memory_utilization", None, r"\(0, 1\]"),
+    ("enable_prefix_caching", "false", "True or False"), ("async_scheduling", "off", "True or False"),
+    ("enforce_eager", 0, "True or False"),
 ])
 def test_invalid_engine_config_names_the_field(field, value, message):
     """Checked on construction, before any model is loaded."""
@@ -216,6 +221,18 @@ def test_invalid_engine_config_names_the_field(field, value, message):
 
     with pytest.raises(ValueError, match=f"{field}.*{message}"):
         EngineConfig(**{field: value})
+
+
+def test_engine_config_takes_numpy_numbers_as_python_ones():
+    import numpy as np
+
+    from eightbit.engine.config import EngineConfig
+
+    c = EngineConfig(device="cpu", max_num_seqs=np.int64(4), kv_cache_memory_gb=np.float32(0.5),
+                     enforce_eager=np.bool_(True), seed=np.int32(3))
+    assert (c.max_num_seqs, c.kv_cache_memory_gb, c.enforce_eager, c.seed) == (4, 0.5, True, 3)
+    assert [type(v) for v in (c.max_num_seqs, c.kv_cache_memory_gb, c.enforce_eager, c.seed)] == \
+        [int, float, bool, int]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gives")
@@ -252,6 +269,61 @@ def test_limits_past_the_model_raise_before_running_and_the_llm_stays_usable(llm
 def test_bad_priorities_raise_before_running(llm, bad, error, message):
     with pytest.raises(error, match=message):
         llm.generate(PROMPTS[:3], SamplingParams(max_tokens=2), use_tqdm=False, priority=bad)
+    _assert_idle(llm.engine)
+
+
+def test_a_sampling_params_changed_after_construction_is_checked_again(llm):
+    """The engine validates each request's SamplingParams again: max_tokens set to 0 afterwards ran to the end of
+    the context (0 read as None), a stop_token_ids of None failed inside a step that other requests share."""
+    zero = SamplingParams(temperature=0)
+    zero.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be None or an int >= 1, got 0"):
+        llm.generate(["Hi"], zero, use_tqdm=False)
+    none_ids = SamplingParams(temperature=0, max_tokens=2)
+    none_ids.stop_token_ids = None  # normalized again, as on construction
+    assert len(llm.generate(["Hi"], none_ids, use_tqdm=False)[0].outputs[0].token_ids) == 2
+    bad_ids = SamplingParams(temperature=0, max_tokens=2)
+    bad_ids.stop_token_ids = 5
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        next(llm.stream("Hi", bad_ids))
+    _assert_idle(llm.engine)
+
+
+def test_requests_added_straight_to_the_engine_do_not_clash_with_generate(llm):
+    """LLM numbers its requests "0", "1", ...; an id a user gave a request of their own is skipped, not an
+    error for a valid generate."""
+    engine = llm.engine
+    taken = str(next(llm._ids) + 1)  # the id generate's first prompt would get
+    engine.add_request(taken, "Hello", SamplingParams(temperature=0, max_tokens=3))
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert taken not in [o.request_id for o in outs] and all(len(o.outputs[0].token_ids) == 2 for o in outs)
+    assert taken in engine.requests  # the user's request is theirs to drive
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(engine)
+
+
+def test_stream_checks_its_input_when_called_and_adds_nothing_until_consumed(llm):
+    with pytest.raises(ValueError, match="leaves no room to generate"):
+        llm.stream([[1, 2]] + [[1] * 10**5], SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match=r"priorities\[1\] must be int"):
+        llm.stream(PROMPTS[:2], SamplingParams(max_tokens=2), priority=[0, "x"])
+    unused = llm.stream(PROMPTS[0], SamplingParams(max_tokens=2))
+    _assert_idle(llm.engine)  # a stream never consumed leaves nothing behind
+    del unused
+    outs = list(llm.stream(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=2), priority=[1, 0]))
+    assert sorted({i for i, _ in outs}) == [0, 1]
+    _assert_idle(llm.engine)
+
+
+def test_numpy_priorities_are_ints(llm):
+    import numpy as np
+
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
+                        priority=np.int64(2))
+    assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    with pytest.raises(TypeError, match="priorities: expected one value"):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=1), use_tqdm=False, priority=True)
     _assert_idle(llm.engine)
 
 

@@ -60,7 +60,7 @@ def test_invalid_values_raise_naming_field_and_value(field, value):
 
 def test_numpy_scalars_are_accepted_as_python_numbers():
     """Values computed with numpy (a swept top_p, an np.int64 seed) pass the same checks as Python's and reach the
-    engine as Python ints and floats; numpy bools are refused like Python's."""
+    engine as Python ints and floats; numpy bools are refused as numbers like Python's, and taken as bools."""
     p = SamplingParams(temperature=np.float64(0.5), top_p=np.float32(0.5), top_k=np.int32(3), seed=np.int64(7),
                        max_tokens=np.int64(4), stop_token_ids=[np.int64(2)], logprobs=np.int16(1), n=np.int8(2))
     assert p == SamplingParams(temperature=0.5, top_p=0.5, top_k=3, seed=7, max_tokens=4, stop_token_ids=[2],
@@ -71,3 +71,6 @@ def test_numpy_scalars_are_accepted_as_python_numbers():
         SamplingParams(n=np.bool_(True))
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=np.float32("nan"))
+    # a numpy bool is a bool where a bool is asked for (numpy 2 names its type numpy.bool, numpy 1 numpy.bool_)
+    assert SamplingParams(ignore_eos=np.bool_(True), skip_special_tokens=np.False_).ignore_eos is True
+    assert SamplingParams(skip_special_tokens=np.False_).skip_special_tokens is False
