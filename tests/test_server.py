@@ -406,6 +406,14 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
     # the field, not pydantic's name for the union member that failed ("prompt.str")
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop"),
+    # integer fields are strict: "logprobs": false must not ask for log-probs, nor true for one
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": False}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3.0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": True}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1.0, 2.0]}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens"),
 ])
 def test_bad_input_openai_error(server, path, body, status, param):
     resp = post(server, path, body)
@@ -431,11 +439,9 @@ def test_prompt_longer_than_context(server, client):
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server, monkeypatch):
-    """More than MAX_CHARS_PER_TOKEN characters per token of the context: refused without holding a tokenizer
-    worker (a 12 MB prompt took 32 s to tokenize, and requests behind it waited)."""
-    from eightbit.engine.server.api import MAX_CHARS_PER_TOKEN
-
-    limit = MAX_CHARS_PER_TOKEN * ENGINE_OPTIONS["max_model_len"]
+    """More characters per token of the context than any token of the vocabulary holds: refused without holding a
+    tokenizer worker (a 12 MB prompt took 32 s to tokenize, and requests behind it waited)."""
+    limit = server.app.state.server.max_chars_per_token * ENGINE_OPTIONS["max_model_len"]
     tokenizers = server.app.state.server.tokenizers
     encode = tokenizers.encode
     monkeypatch.setattr(tokenizers, "encode", lambda text: encode(text) if len(text) <= limit else pytest.fail(
@@ -452,6 +458,22 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server, monk
     # at the limit the prompt is tokenized as before (and refused for its token count)
     resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "hello " * 2100})
     assert resp.status_code == 400 and "tokens" in resp.json()["error"]["message"]
+
+
+def test_a_prompt_of_long_tokens_that_fits_is_not_refused_for_its_characters(server, offline):
+    """SmolLM2 has tokens of 80 characters (runs of '#', of spaces): 900 of them, 72,000 characters, are ~1,100
+    tokens of a 2,048-token context, and were refused by a bound of 32 characters a token."""
+    from eightbit.engine.server.api import MAX_CHARS_PER_TOKEN
+
+    tokenizer = offline.get_tokenizer()
+    longest = max(len(tokenizer.decode([t])) for t in range(len(tokenizer)))
+    assert server.app.state.server.max_chars_per_token >= longest > MAX_CHARS_PER_TOKEN
+    prompt = "#" * 80 * 900
+    num_tokens = len(tokenizer(prompt)["input_ids"])
+    assert len(prompt) > MAX_CHARS_PER_TOKEN * ENGINE_OPTIONS["max_model_len"] and num_tokens < 2000
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == num_tokens
 
 
 def test_chat_template_variables_still_reach_the_template(client, offline):

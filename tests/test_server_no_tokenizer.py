@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from eightbit import LLM, EngineConfig, LLMEngine, SamplingParams
-from eightbit.engine.server.cli import KEEP_ALIVE_S, BackgroundServer
+from eightbit.engine.server.cli import GRACEFUL_SHUTDOWN_S, KEEP_ALIVE_S, BackgroundServer
 
 ENGINE_OPTIONS = dict(model="llama-tiny", load_format="dummy", dtype="float32", device="cpu", kv_cache_memory_gb=0.05)
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3]
@@ -100,8 +100,10 @@ def test_an_idle_connection_outlives_clients_pool_expiry(server):
         conn.close()
 
 
-@pytest.mark.parametrize("flags, want", [([], KEEP_ALIVE_S), (["--timeout-keep-alive", "7"], 7)])
-def test_serve_passes_its_keep_alive_to_uvicorn(flags, want, monkeypatch):
+@pytest.mark.parametrize("flags, want", [([], (KEEP_ALIVE_S, GRACEFUL_SHUTDOWN_S)),
+                                         (["--timeout-keep-alive", "7", "--timeout-graceful-shutdown", "3"], (7, 3))])
+def test_serve_passes_its_keep_alive_and_shutdown_bound_to_uvicorn(flags, want, monkeypatch):
+    """The shutdown bound: without it a Ctrl-C or SIGTERM waited for every open stream (61 s and counting)."""
     import uvicorn
 
     from eightbit.cli import main as cli_main
@@ -111,4 +113,4 @@ def test_serve_passes_its_keep_alive_to_uvicorn(flags, want, monkeypatch):
     argv = ["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
             "--port", "0", *flags]
     assert cli_main(argv) == 0
-    assert seen["timeout_keep_alive"] == want
+    assert (seen["timeout_keep_alive"], seen["timeout_graceful_shutdown"]) == want

@@ -37,8 +37,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each generated token is checked against every stop string, on the loop all requests share
 MAX_STOP_CHARS = 1024
 MAX_TOKEN_IDS = 1024  # logit_bias entries, and stop_token_ids: each is host work at every step of the request
-# A prompt of more characters than this many per token of the context cannot fit (no tokenizer packs that many
-# characters into each token of real text): refused before tokenizing, so a huge body does not hold a tokenizer worker
+# A prompt of more characters than this many per token of the context cannot fit: refused before tokenizing, so a
+# huge body does not hold a tokenizer worker. At least MAX_CHARS_PER_TOKEN; more where the vocabulary has longer
+# tokens (SmolLM2's hold up to 81 characters: a newline and 80 spaces), twice its longest token's characters
+# (normalization may fold two characters into one)
 MAX_CHARS_PER_TOKEN = 32
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -137,6 +139,7 @@ class ServerState:
         self.has_tokenizer = info.tokenizer is not None  # dummy weights have none: token ids in and out
         self.tokenizers = TokenizerPool(info.tokenizer, tokenizer_workers)
         self.template_call_params = _template_call_params(info.tokenizer)
+        self.max_chars_per_token = chars_per_token_bound(info.tokenizer)
         self.metrics = Metrics(model_name)
         self.num_queued = 0  # submitted engine requests that have not produced a token yet
         self.created = P.now()
@@ -294,7 +297,8 @@ def _check_completion_needs_no_text(state: ServerState, req: P.CompletionRequest
     _need_tokenizer(state, req.logprobs is not None, "logprobs", "log-probs name their tokens as text")
 
 
-def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
+def _sampling_params(req, max_tokens, logprobs, max_tokens_field="max_tokens") -> SamplingParams:
+    """max_tokens_field: the request field max_tokens came from (chat's max_completion_tokens), for the error."""
     _reject_unless(req.stream or req.stream_options is None, "stream_options",
                    "stream_options is only allowed when stream is true")
     logit_bias = None
@@ -337,7 +341,10 @@ def _sampling_params(req, max_tokens, logprobs) -> SamplingParams:
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except ValueError as e:  # SamplingParams' messages start with the field name
-        raise APIError(str(e), param=str(e).split()[0]) from None
+        field = str(e).split()[0]
+        if field == "max_tokens":  # named as the client sent it
+            raise APIError(str(e).replace(field, max_tokens_field, 1), param=max_tokens_field) from None
+        raise APIError(str(e), param=field) from None
 
 
 def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
@@ -351,10 +358,19 @@ def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
         raise APIError(str(e), param=str(e).split("=")[0].split()[0]) from None
 
 
+def chars_per_token_bound(tokenizer) -> int:
+    """How many characters one token may stand for, at most (MAX_CHARS_PER_TOKEN's comment). A vocabulary's token
+    strings have a character per byte (byte-level BPE) or per character (SentencePiece), so none is shorter than
+    its text."""
+    if tokenizer is None:
+        return MAX_CHARS_PER_TOKEN
+    return max(MAX_CHARS_PER_TOKEN, 2 * max((len(t) for t in tokenizer.get_vocab()), default=0))
+
+
 def _check_chars(state: ServerState, num_chars: int, param: str):
-    limit = MAX_CHARS_PER_TOKEN * state.max_model_len
+    limit = state.max_chars_per_token * state.max_model_len
     if num_chars > limit:
-        raise APIError(f"the prompt has {num_chars} characters, more than {MAX_CHARS_PER_TOKEN} per token of this "
+        raise APIError(f"the prompt has {num_chars} characters, more than {state.max_chars_per_token} per token of this "
                        f"model's maximum context length ({state.max_model_len} tokens): it cannot fit", param=param,
                        code="context_length_exceeded")
 
@@ -638,7 +654,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
                                param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_k = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(req, max_tokens, top_k)
+        params = _sampling_params(req, max_tokens, top_k, "max_completion_tokens"
+                                  if req.max_completion_tokens is not None else "max_tokens")
         _check_template_kwargs(state, req.chat_template_kwargs)
         _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
         try:

@@ -18,6 +18,10 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # and the OpenAI SDK: 5 s, aiohttp: 15 s), so that the client, not the server, closes them: with uvicorn's default
 # of 5 s, a load of 2,000 requests at 256 in flight lost 2-5 requests a run to resets (docs/benchmarks.md).
 KEEP_ALIVE_S = 60
+# How long a shutdown (Ctrl-C, SIGTERM) waits for open requests before closing them: without a bound, uvicorn waits
+# for every open stream, which may run to the end of the context, and SIGTERM from systemd or Kubernetes hangs until
+# SIGKILL.
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def add_serve_parser(subparsers):
@@ -40,6 +44,9 @@ def add_serve_parser(subparsers):
     p.add_argument("--timeout-keep-alive", type=_at_least_one, default=KEEP_ALIVE_S,
                    help=f"seconds an idle connection stays open (default: {KEEP_ALIVE_S}, longer than clients' "
                         "pools keep them, so clients close them first)")
+    p.add_argument("--timeout-graceful-shutdown", type=_at_least_one, default=GRACEFUL_SHUTDOWN_S,
+                   help=f"seconds a shutdown (Ctrl-C, SIGTERM) waits for open requests before it closes them "
+                        f"(default: {GRACEFUL_SHUTDOWN_S})")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own, so that it does not share the interpreter "
                         "lock with the HTTP server (default: on; --no-engine-process runs it in a thread)")
@@ -133,7 +140,8 @@ def run_serve(args) -> int:
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_keep_alive=args.timeout_keep_alive)
+                    timeout_keep_alive=args.timeout_keep_alive,
+                    timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     finally:
         async_engine.stop()
     return 0
@@ -156,8 +164,8 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5,
-                                                    timeout_keep_alive=KEEP_ALIVE_S))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S,
+                                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="eightbit-uvicorn", daemon=True)
 

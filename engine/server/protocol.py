@@ -1,6 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (the subset eightbit serves).
 
-Request models ignore fields they do not know (clients send extras); fields that would change
+Request models ignore fields they do not know (clients send extras); integer fields are strict (a JSON true,
+false or 3.0 is a 400, not 1, 0 or 3: `"logprobs": false` must not ask for log-probs); fields that would change
 the output but are not implemented are accepted only at their neutral value and rejected with a
 400 otherwise (see api.py). vLLM-style extras (top_k, min_p, ignore_eos, stop_token_ids,
 skip_special_tokens) ride in the body, e.g. via the openai client's ``extra_body``.
@@ -11,7 +12,7 @@ import typing
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 
 class APIError(Exception):
@@ -65,10 +66,10 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
 
     model: str | None = None
-    n: int = 1
+    n: StrictInt = 1
     temperature: float | None = None  # None: 1.0 (OpenAI's default)
     top_p: float | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -77,22 +78,22 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM-style extras
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     min_p: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: StrictInt = 0
     include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
 
@@ -111,10 +112,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
