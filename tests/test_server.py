@@ -317,6 +317,33 @@ def test_completion_top_logprobs_hold_the_sampled_token(client, offline):
     assert [list(t) for t in out.choices[0].logprobs.top_logprobs] == [[tok.decode([t])] for t in ref.token_ids]
 
 
+def _token_bytes(name: str) -> bytes:
+    if name.startswith("bytes:"):  # OpenAI's naming of a token that holds part of a character
+        return bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+    return name.encode()
+
+
+def test_completion_logprobs_of_partial_characters(server):
+    """Emoji are several tokens each: a token holding part of a character is named by its bytes ("bytes:\\xf0..."),
+    not U+FFFD, so the tokens' bytes join to the text, and text_offset counts the characters completed before each
+    token (it ran past the end of the text), streamed and not alike."""
+    body = {"model": MODEL, "prompt": "Emoji list: \U0001F600 \U0001F601 \U0001F602 \U0001F923 \U0001F603 \U0001F604",
+            "max_tokens": 12, "temperature": 0, "logprobs": 1}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert any(t.startswith("bytes:") for t in lp["tokens"]) and "\ufffd" not in "".join(lp["tokens"])
+    raw = [_token_bytes(t) for t in lp["tokens"]]
+    assert b"".join(raw).decode() == text
+    assert lp["text_offset"] == [len(b"".join(raw[:i]).decode("utf-8", errors="ignore")) for i in range(len(raw))]
+    assert all(top for top in lp["top_logprobs"]) and lp["text_offset"][-1] <= len(text)
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        chunks = [json.loads(line[len("data: "):]) for line in resp.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
+
+
 def test_null_means_the_default(server, client):
     """OpenAI's schema lets these fields be null; a client that sends null gets the default, where max_tokens null
     keeps its own meaning (as much as the context leaves)."""

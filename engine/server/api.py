@@ -8,8 +8,10 @@ frees their KV blocks at the loop's next iteration.
 """
 
 import asyncio
+import codecs
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -468,20 +470,45 @@ def _top(entry: dict, k: int) -> list:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def _completion_logprobs(state, token_ids, logprobs, k, offset) -> P.CompletionLogprobs:
+class TextPosition:
+    """Where a completion's next token starts in its text (`text_offset`, in characters): the characters its tokens'
+    bytes complete, a token holding part of a multi-byte character adding none until a later one completes it."""
+
+    def __init__(self):
+        self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_bytes: list[int]):
+        self.offset += len(self._decoder.decode(bytes(token_bytes)))
+
+
+def _completion_logprobs(state, token_ids, logprobs, k, position: TextPosition) -> P.CompletionLogprobs:
     out = P.CompletionLogprobs()
-    text = state.tokenizers.token_text
+    name = functools.partial(_token_name, state.tokenizers)
     for tid, entry in zip(token_ids, logprobs):
-        s = text(tid)
+        s = name(tid)
         out.tokens.append(s)
         out.token_logprobs.append(entry[tid])
         # the k most likely and, as OpenAI's legacy API promises, the sampled token's own (up to k + 1)
-        top = {text(t): lp for t, lp in _top(entry, k)}
+        top = {name(t): lp for t, lp in _top(entry, k)}
         top.setdefault(s, entry[tid])
         out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(s)
+        out.text_offset.append(position.offset)
+        position.advance(state.tokenizers.token_bytes(tid))
     return out
+
+
+def _token_name(tokenizers, token_id) -> str:
+    """A token's text; for one holding part of a UTF-8 character (whose text alone is U+FFFD), OpenAI's
+    "bytes:\\xNN..." naming of its bytes, so that such tokens stay apart."""
+    text = tokenizers.token_text(token_id)
+    if "\ufffd" in text:
+        raw = bytes(tokenizers.token_bytes(token_id))
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
 
 
 def _chat_logprobs(state, token_ids, logprobs, k) -> P.ChatLogprobs:
@@ -629,7 +656,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
                 completion_tokens += len(c.token_ids)
                 lp = None
                 if req.logprobs is not None:
-                    lp = _completion_logprobs(state, c.token_ids, c.logprobs, req.logprobs, 0)
+                    lp = _completion_logprobs(state, c.token_ids, c.logprobs, req.logprobs, TextPosition())
                 choices.append(P.CompletionChoice(index=i * n + c.index, text=c.text, logprobs=lp,
                                                   finish_reason=c.finish_reason, stop_reason=_stop_reason(c)))
         return P.CompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
@@ -750,9 +777,8 @@ async def _stream_completion(state, gen: Generation, req, request_id, created):
                 del unsent[key]
                 lp = None
                 if k is not None:
-                    offset = token_offset.get(key, 0)  # running over the tokens' texts, as without streaming
-                    lp = _completion_logprobs(state, ids, lps, k, offset)
-                    token_offset[key] = offset + sum(len(t) for t in lp.tokens)
+                    # running over the tokens, as without streaming
+                    lp = _completion_logprobs(state, ids, lps, k, token_offset.setdefault(key, TextPosition()))
                 if c.finish_reason:
                     done.add(key)
                     completion_tokens += gen.num_tokens(gen.ids[i], c.index)
