@@ -1,10 +1,10 @@
 """The engine's one configuration object, validated on construction."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from eightbit.engine.sampling_params import is_bool, is_finite_number, is_int
+from eightbit.engine.sampling_params import fields_as_python_numbers, is_bool, is_finite_number, is_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -62,14 +62,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not is_bool(getattr(self, name)):  # a string such as "false" would read as on
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for f in fields(self):  # numpy numbers (checked above) as Python ones
-            value = getattr(self, f.name)
-            if is_bool(value):
-                setattr(self, f.name, bool(value))
-            elif is_int(value):
-                setattr(self, f.name, int(value))
-            elif is_finite_number(value):
-                setattr(self, f.name, float(value))
+        fields_as_python_numbers(self)
         if self.kv_group_size is not None and self.kv_cache_dtype != "int8":
             raise ValueError("kv_group_size applies to the int8 KV cache only: pass kv_cache_dtype='int8' with it")
         if self.device is None:

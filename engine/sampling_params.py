@@ -22,6 +22,19 @@ def is_finite_number(x) -> bool:
     return isinstance(x, numbers.Real) and not is_bool(x) and math.isfinite(x)
 
 
+def fields_as_python_numbers(obj) -> None:
+    """A dataclass's fields that hold numpy bools, ints or floats (already checked) become Python ones, which is
+    what the engine computes with (SamplingParams, EngineConfig)."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if is_bool(v):
+            setattr(obj, f.name, bool(v))
+        elif is_int(v):
+            setattr(obj, f.name, int(v))
+        elif is_finite_number(v):
+            setattr(obj, f.name, float(v))
+
+
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM
 
 
@@ -137,19 +150,7 @@ class SamplingParams:
         for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not is_bool(getattr(self, field)):
                 bad(field, getattr(self, field), "a bool")
-        self._as_python_numbers()
-
-    def _as_python_numbers(self) -> None:
-        """numpy scalars (checked above) become Python bools, ints and floats, which is what the engine computes
-        with."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if is_bool(v):
-                setattr(self, f.name, bool(v))
-            elif is_int(v):
-                setattr(self, f.name, int(v))
-            elif is_finite_number(v):
-                setattr(self, f.name, float(v))
+        fields_as_python_numbers(self)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     def check_vocabulary(self, vocab_size: int) -> None:

@@ -679,10 +679,10 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
             if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                                param="top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, max_tokens_field)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(req, max_tokens, top_k, "max_completion_tokens"
-                                  if req.max_completion_tokens is not None else "max_tokens")
+        params = _sampling_params(req, max_tokens, top_k, max_tokens_field)
         _check_template_kwargs(state, req.chat_template_kwargs)
         _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
         try:
@@ -691,8 +691,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         _check_limits(state, params, 1)
-        _check_length(state, [prompt], max_tokens, params.min_tokens,
-                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        _check_length(state, [prompt], max_tokens, params.min_tokens, max_tokens_field)
         request_id = P.random_id("chatcmpl")
         gen = Generation(state, request_id, [prompt], params, raw_request, arrival)
         gen.start(every_step=bool(req.stream))
