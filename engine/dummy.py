@@ -47,7 +47,7 @@ def load_dummy_model(config):
     from eightbit.engine.loader import LoadedModel, build_model
 
     hf_config = dummy_config(config.model)
-    model = build_model(hf_config, False, config.torch_dtype, config.device)
+    model = build_model(hf_config, False, config.torch_dtype, config.device, config.max_model_len)
     generator = torch.Generator(device=config.device).manual_seed(config.seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

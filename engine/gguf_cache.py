@@ -7,23 +7,29 @@ then on as an HF checkpoint directory (`eightbit generate` on the embedded model
 after).
 
 One entry per GGUF path, replaced when the file's size or modification time, the transformers version or this
-format changes. An entry is written to a temporary directory and renamed into place, so a crash, Ctrl-C or a second
-process converting at the same time never leaves a half-written one. Where the cache cannot be written (a
-read-only home, a full disk) the checkpoint is used from memory, with a warning.
+format changes, or when one of its files no longer has the size it was written with. An entry is written to a
+temporary directory, flushed to disk and renamed into place, so a crash, Ctrl-C or power loss never leaves a
+half-written one. Processes opening the same GGUF at once convert it once: the others wait on a lock file and then
+read the first one's entry; where locks do not work, a process that finds a valid entry in place when its own
+conversion ends keeps that one, so a reader's files are never pulled from under it. Where the cache cannot be
+written (a read-only home, a full disk) the checkpoint is used from memory, with a warning.
 
 EIGHTBIT_CACHE: the cache directory (default $XDG_CACHE_HOME/eightbit, else ~/.cache/eightbit); "off" turns it off.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-FORMAT = 1  # bump when what an entry holds changes: older entries are then converted again
+FORMAT = 2  # bump when what an entry holds changes: older entries are then converted again
 SOURCE_FILE = "source.json"  # written last: what the entry was made from
 ABANDONED_AFTER_S = 3600
 
@@ -54,14 +60,41 @@ def _source(gguf: Path) -> dict:
 
 
 def lookup(gguf: Path) -> Path | None:
-    """The entry converted from this very file, or None."""
+    """The entry converted from this very file, whole (every file of the size it was written with), or None."""
     entry = entry_dir(gguf)
     try:
-        if entry is not None and json.loads((entry / SOURCE_FILE).read_text()) == _source(gguf):
+        if entry is None:
+            return None
+        recorded = json.loads((entry / SOURCE_FILE).read_text())
+        files = recorded.pop("files")
+        if recorded == _source(gguf) and all((entry / name).stat().st_size == size for name, size in files.items()):
             return entry
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing, damaged or of another format
         pass
     return None
+
+
+@contextlib.contextmanager
+def converting(gguf: Path):
+    """Held while this GGUF is converted and stored: a second process opening it meanwhile waits here, then finds
+    the first one's entry (lookup) instead of converting it again. Does nothing where the cache is off or the lock
+    file cannot be made."""
+    entry = entry_dir(gguf)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(entry.parent / f"{entry.name}.lock", "a")
+    except (AttributeError, OSError):  # the cache is off (entry is None), or cannot be written
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process converting {gguf.name} ...", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: the store below is safe without one
+            pass
+        yield
 
 
 def store(gguf: Path, write) -> Path | None:
@@ -78,23 +111,57 @@ def store(gguf: Path, write) -> Path | None:
         return _not_stored(gguf, entry, e)
     try:
         write(tmp)
-        (tmp / SOURCE_FILE).write_text(json.dumps(_source(gguf)))
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / SOURCE_FILE).write_text(json.dumps({**_source(gguf), "files": files}))
+        _flush(tmp)
     except Exception as e:  # the copy only saves time: whatever stops it must not stop the open
         shutil.rmtree(tmp, ignore_errors=True)
         return _not_stored(gguf, entry, e)
     except BaseException:  # Ctrl-C: nothing left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if lookup(gguf) is not None:  # another process converted it meanwhile: its entry may be in use, keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+        return entry
     try:
-        if entry.exists():  # stale or damaged
-            shutil.rmtree(entry)
-        os.rename(tmp, entry)
+        _replace(entry, tmp)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if lookup(gguf) is not None:  # another process put its copy in place between the two steps
             return entry
         return _not_stored(gguf, entry, e)
     return entry
+
+
+def _replace(entry: Path, tmp: Path):
+    """Move tmp to entry. A stale or damaged entry is first renamed aside and removed only afterwards, so the
+    files of a process still reading it stay whole."""
+    old = None
+    if entry.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{entry.name}.old.", dir=entry.parent))
+        os.rename(entry, old / "entry")
+    os.rename(tmp, entry)
+    _flush_directory(entry.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _flush(directory: Path):
+    """Every file of directory on disk (a power loss after the rename must not leave empty files behind it)."""
+    for path in directory.iterdir():
+        if not path.is_file():
+            continue
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    _flush_directory(directory)
+
+
+def _flush_directory(directory: Path):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove_abandoned(entry):

@@ -1,7 +1,9 @@
 """Build the model on the meta device, then stream the checkpoint's tensors into place one by one.
 
 No second copy of the model is ever made: each tensor is read from the file (lazily,
-by safetensors), copied into its slot of the fused parameter and dropped.
+by safetensors), copied into its slot of the fused parameter and dropped. (A GGUF that could
+not be cached on disk is read from transformers' converted model in memory, dropped once
+the engine's model is loaded.)
 """
 
 import re
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from eightbit.engine.layers.rotary import cos_sin_cache
-from eightbit.engine.models.llama import PACKED_MODULES, LlamaForCausalLM
+from eightbit.engine.models.llama import PACKED_MODULES, LlamaForCausalLM, check_supported
 from eightbit.engine.weights import open_checkpoint
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -35,13 +37,15 @@ def load_model(config) -> LoadedModel:
     hf_config = ckpt.config
     scheme = _read_quantization(hf_config)
     quantized = scheme is not None
-    model = build_model(hf_config, quantized, config.torch_dtype, config.device)
+    check_supported(hf_config)
+    tokenizer = ckpt.load_tokenizer()  # before the weights: a checkpoint without one fails in seconds, not minutes
+    model = build_model(hf_config, quantized, config.torch_dtype, config.device, config.max_model_len)
     load_weights(model, ((name, ckpt.get_tensor(name)) for name in ckpt.tensor_names()))
     if config.quantization == "w8a8" and not quantized:
         model.quantize_linears_()
         quantized = True
     kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
-    return LoadedModel(model, hf_config, ckpt.load_tokenizer(), ckpt.eos_token_ids, kv_group_size, quantized)
+    return LoadedModel(model, hf_config, tokenizer, ckpt.eos_token_ids, kv_group_size, quantized)
 
 
 def _read_quantization(hf_config):
@@ -53,11 +57,13 @@ def _read_quantization(hf_config):
     return read_quantization_config(hf_config)
 
 
-def build_model(hf_config, quantized, dtype, device) -> LlamaForCausalLM:
+def build_model(hf_config, quantized, dtype, device, max_model_len=None) -> LlamaForCausalLM:
+    """The model with empty weights on `device`; its RoPE table covers max_model_len positions (None: all the
+    model's; a table for a million positions is 0.5 GB)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, quantized=quantized, dtype=dtype)
     model.to_empty(device=device)
-    max_positions = hf_config.max_position_embeddings
+    max_positions = min(max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
     table = cos_sin_cache(hf_config, max_positions).to(device)
     for attn in model.attention_layers():
         attn.cos_sin_cache = table
@@ -79,7 +85,8 @@ def load_weights(model, named_tensors):
             fused, shard_id = PACKED_MODULES[leaf]
             module_name = f"{parent}.{fused}"
         module = modules.get(module_name)
-        if module is None or not hasattr(module, param_name):
+        # a Linear names what it refuses itself; elsewhere only parameters are filled (not model.norm.eps, say)
+        if module is None or not (hasattr(module, "load") or f"{module_name}.{param_name}" in expected):
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         slot = f"{module_name}.{param_name}" + ("" if shard_id is None else f"#{shard_id}")
         if slot in loaded:

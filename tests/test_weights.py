@@ -71,6 +71,35 @@ def test_garbage_safetensors(tmp_path):
         open_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("header, message", [
+    (b"[1, 2]", "its header is not a JSON object"),
+    (b'{"w": {"dtype": "F32", "shape": [2]}}', "a tensor without data_offsets: KeyError"),
+    (b'{"w": 7}', "a tensor without data_offsets: TypeError"),
+])
+def test_a_safetensors_header_of_the_wrong_form(tmp_path, header, message):
+    """Such headers stopped the open with a bare TypeError or KeyError."""
+    write_config(tmp_path, model_type="llama")
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(CheckpointError, match=f"model.safetensors is not a valid safetensors file \\({message}"):
+        open_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_before_its_weights_are_read(tmp_path, monkeypatch):
+    """transformers said "... You need to have sentencepiece or tiktoken installed", after every weight was read."""
+    from eightbit.engine.weights import Checkpoint
+    from eightbit.quant.testing import make_tiny_checkpoint
+
+    make_tiny_checkpoint(tmp_path)
+    for tokenizer_file in tmp_path.glob("*token*"):
+        tokenizer_file.unlink()
+    reads = []
+    real_get = Checkpoint.get_tensor
+    monkeypatch.setattr(Checkpoint, "get_tensor", lambda self, name: reads.append(name) or real_get(self, name))
+    with pytest.raises(CheckpointError, match=f"{tmp_path} has no tokenizer files \\(tokenizer.json, "):
+        LLM(str(tmp_path), dtype="float32", device="cpu")
+    assert reads == []
+
+
 def test_unsupported_architecture(tmp_path):
     from transformers import GPT2Config
 

@@ -51,7 +51,7 @@ class Linear(nn.Module):
 
     def load(self, param_name: str, tensor: torch.Tensor, shard_id=None):
         """Copy a checkpoint tensor ("weight", "weight_scale" or "bias") into place, or into its shard's rows."""
-        param = getattr(self, param_name, None)
+        param = getattr(self, param_name) if param_name in ("weight", "weight_scale", "bias") else None
         if param is None:
             raise ValueError(f"unexpected tensor {param_name!r} for a {'W8A8' if self.quantized else 'float'} linear")
         if shard_id is not None:
