@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -58,10 +59,10 @@ def add_eval_parser(subparsers):
 
 
 def _interrupt_note(args) -> str:
-    """What Ctrl-C leaves: the results are rewritten after every configuration (_write_results)."""
+    """What Ctrl-C leaves: the results are rewritten after every configuration (ppl) or task (tasks)."""
     if getattr(args, "results_written", False):
-        return f"the configurations finished before it are in {args.out}"
-    return f"no configuration had finished: nothing was written to {args.out}"
+        return f"what finished before it is in {args.out}"
+    return f"nothing had finished: nothing was written to {args.out}"
 
 
 def _meta(args, extra) -> dict:
@@ -127,11 +128,8 @@ def _check_args(args, stem, positive):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not args.kv_cache_memory_gb > 0:
         raise ValueError(f"--kv-cache-memory-gb must be > 0, got {args.kv_cache_memory_gb}")
-    if args.device is not None and args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: this machine has no CUDA GPU")
+    if args.device is not None:
+        _check_device(args.device)
     out = Path(args.out).absolute()
     nearest = next(p for p in (out, *out.parents) if p.exists())  # the folder it is (or will be) made in
     if not nearest.is_dir():
@@ -143,6 +141,18 @@ def _check_args(args, stem, positive):
     if taken and not args.overwrite:
         raise ValueError(f"{args.out} already holds an earlier run's results ({', '.join(taken)}): "
                          f"pass --overwrite to replace them, or another --out")
+
+
+def _check_device(device):
+    import torch
+
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device != "cpu" and match is None:
+        raise ValueError(f"--device {device}: give cpu, cuda or cuda:N")
+    if match is not None and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA GPU")
+    if match is not None and match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
 def _model_context(model) -> int:
@@ -166,6 +176,8 @@ def run_ppl(args) -> int:
     from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
 
     _check_args(args, "ppl", ("windows", "window_size"))
+    if args.window_size < 2:
+        raise ValueError(f"--window-size must be >= 2 (a window's first token is context only), got {args.window_size}")
     _quiet_transformers(args)
     configs = parse_configs(args.configs)
     check_float_model(args.model)
@@ -230,7 +242,7 @@ def _ppl_header(meta, rows) -> str:
 def run_tasks(args) -> int:
     from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
-    from eightbit.eval.tasks import TASKS, evaluate_task, load_task
+    from eightbit.eval.tasks import TASKS, build_requests, evaluate_task, load_task
 
     _check_args(args, "tasks", ("limit", "max_model_len"))
     _quiet_transformers(args)
@@ -244,6 +256,9 @@ def run_tasks(args) -> int:
     items = {t: load_task(t, data_dir, args.limit) for t in tasks}
     tokenizer = load_tokenizer(args.model)
     print("[eval] " + ", ".join(f"{t}: {len(v)} items" for t, v in items.items()), flush=True)
+    # once for every configuration (they share the tokenizer), and before any model loads: an item that cannot be
+    # tokenized fails here
+    requests = {t: build_requests(items[t], tokenizer, progress=not args.no_progress) for t in tasks}
     max_pos = _model_context(args.model)
     max_model_len = min(args.max_model_len, max_pos)
     if max_model_len < args.max_model_len:
@@ -251,26 +266,35 @@ def run_tasks(args) -> int:
     out = Path(args.out)
     meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}})
     rows = []
-    for config, scorer, load_s in _scorers(args, configs, max_model_len, data_dir):
-        if isinstance(scorer, str):
-            rows.append(_error_row(config, scorer))
-        else:
-            row = _row(config, scorer, load_s)
-            row["tasks"] = {}
-            for task in tasks:
-                try:
-                    res = evaluate_task(scorer, task, items[task], tokenizer, progress=not args.no_progress)
-                    row["tasks"][task] = res
-                    print(f"[eval] {config.name} {task}: acc {100 * res['acc']:.2f}"
-                          + (f", acc_norm {100 * res['acc_norm']:.2f}" if "acc_norm" in res else "")
-                          + f" ({res['seconds']:.0f} s)", flush=True)
-                except Exception as e:
-                    traceback.print_exc()
-                    row.setdefault("task_errors", {})[task] = f"{type(e).__name__}: {e}"
-            rows.append(row)
+
+    def write():
         header, table = f"Zero-shot tasks, {meta['machine']}, {meta['date']}", report.tasks_table(rows, tasks)
         chart = _write_results(out, "tasks", meta, rows, header, table, report.tasks_chart, tasks)
         args.results_written = True
+        return header, table, chart
+
+    for config, scorer, load_s in _scorers(args, configs, max_model_len, data_dir):
+        if isinstance(scorer, str):
+            rows.append(_error_row(config, scorer))
+            header, table, chart = write()
+            continue
+        row = _row(config, scorer, load_s)
+        row["tasks"] = {}
+        rows.append(row)
+        for i, task in enumerate(tasks):
+            try:
+                res = evaluate_task(scorer, task, items[task], requests[task], progress=not args.no_progress)
+                row["tasks"][task] = res
+                print(f"[eval] {config.name} {task}: acc {100 * res['acc']:.2f}"
+                      + (f", acc_norm {100 * res['acc_norm']:.2f}" if "acc_norm" in res else "")
+                      + f" ({res['seconds']:.0f} s)", flush=True)
+            except Exception as e:
+                traceback.print_exc()
+                row.setdefault("task_errors", {})[task] = f"{type(e).__name__}: {e}"
+            row["unfinished"] = tasks[i + 1:]  # what an interruption before the next write leaves unscored
+            if not row["unfinished"]:
+                del row["unfinished"]
+            header, table, chart = write()  # after every task: a CPU run of one configuration takes hours
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'tasks.json'}, {out / 'tasks.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r and "task_errors" not in r for r in rows) else 1

@@ -221,7 +221,10 @@ class EngineScorer(Scorer):
             raise RuntimeError(f"{config.name}: the engine loaded {'W8A8' if engine.quantized else 'float'} "
                                f"weights for a {'W8A8' if config.w8a8 else 'float'} configuration")
         self.max_model_len = engine.max_model_len
-        self.max_batch_tokens = max_batch_tokens
+        # on a CPU a batch of many windows runs no faster than one at a time (its matmuls are compute-bound
+        # already), and the progress bar moved once per batch: every 8 windows, 12 minutes at 2k tokens
+        cpu = str(engine.config.device) == "cpu"
+        self.max_batch_tokens = min(max_batch_tokens, self.max_model_len) if cpu else max_batch_tokens
         self.kv_bytes_per_token = float(engine.kv_bytes_per_token)
         from eightbit.quant.schemes import weight_bytes
 

@@ -95,7 +95,8 @@ def tasks_table(rows, tasks) -> str:
             if d is not None and r["config"] != r.get("baseline"):
                 cell += f" ({d['diff']:+.2f} ± {d['stderr']:.2f})"
             cells.append(cell)
-        lines.append(f"| {r['config']} | {r['backend']} | " + " | ".join(cells) + " |")
+        name = r["config"] + (" (unfinished)" if r.get("unfinished") else "")
+        lines.append(f"| {name} | {r['backend']} | " + " | ".join(cells) + " |")
     sizes = []
     for t in tasks:
         n = next((r["tasks"][t]["items"] for r in rows if t in r.get("tasks", {})), None)
@@ -105,10 +106,11 @@ def tasks_table(rows, tasks) -> str:
 
 
 def write_json(path, payload) -> Path:
+    """Strict JSON (NaN, e.g. the standard error of one item, becomes null), replacing `path` in one step."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    tmp.write_text(json.dumps(_finite(payload), indent=1, default=str, allow_nan=False))
     tmp.replace(path)
     return path
 
@@ -165,6 +167,17 @@ def _save(fig, path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _finite(value):
+    """value with every non-finite float (NaN, inf) replaced by None, which JSON has a word for."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def tasks_chart(rows, tasks, path) -> Path | None:

@@ -85,8 +85,13 @@ def _capitalize_last_fragment(context: str) -> str:
 def load_hellaswag(path, limit=None) -> list[Item]:
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the file's last newline
+    if len(lines) % 6:
+        raise ValueError(f"{len(lines)} lines are not whole items of 6 (context, gold index, 4 endings): "
+                         "the file is cut short or shifted")
     items = []
-    for k in range(0, len(lines) - 5, 6):
+    for k in range(0, len(lines), 6):
         if limit is not None and len(items) >= limit:
             break
         context, gold, *endings = lines[k : k + 6]
@@ -104,6 +109,8 @@ def load_lambada(path, limit=None) -> list[Item]:
             if limit is not None and len(items) >= limit:
                 break
             words = json.loads(line)["text"].split(" ")
+            if len(words) < 2:
+                raise ValueError(f"line {i + 1}: a passage of one word leaves no context to predict it from")
             items.append(Item("lambada", str(i), " ".join(words[:-1]), [" " + words[-1]], 0))
     return items
 
@@ -116,9 +123,12 @@ def load_task(task, data_dir, limit=None) -> list[Item]:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     path = data_file(data_dir, TASK_FILES[task])
     try:
-        return LOADERS[task](path, limit)
+        items = LOADERS[task](path, limit)
     except (KeyError, IndexError, TypeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{path} is not {task} data as eightbit reads it: {type(e).__name__}: {e}") from None
+    if not items:
+        raise ValueError(f"{path} holds no {task} items")
+    return items
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -142,10 +152,13 @@ def encode_pair(tokenizer, context: str, continuation: str):
     return ctx, cont
 
 
-def build_requests(items, tokenizer) -> list[tuple[list[int], int]]:
+def build_requests(items, tokenizer, progress=False) -> list[tuple[list[int], int]]:
     """One (ids, start) request per (item, choice), in item order."""
+    from tqdm.auto import tqdm
+
     requests = []
-    for item in items:
+    task = items[0].task if items else ""
+    for item in tqdm(items, desc=f"tokenizing {task}", unit="item", disable=not progress):
         for cont in item.continuations:
             ctx_ids, cont_ids = encode_pair(tokenizer, item.context, cont)
             requests.append((ctx_ids + cont_ids, len(ctx_ids)))
@@ -194,12 +207,12 @@ def paired_difference(a, b) -> dict:
     return {"diff": mean, "stderr": se}
 
 
-def evaluate_task(scorer, task, items, tokenizer, progress=True) -> dict:
-    """Run one task's items through `scorer`; metrics plus the per-item outcomes (for paired errors)."""
+def evaluate_task(scorer, task, items, requests, progress=True) -> dict:
+    """Run one task's items (as `build_requests` made them) through `scorer`; metrics plus the per-item outcomes
+    (for paired errors)."""
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
-    requests = build_requests(items, tokenizer)
     greedy = task == "lambada"
     with tqdm(total=len(requests), desc=f"{task} {scorer.config.name}", unit="req", disable=not progress) as bar:
         scores = scorer.loglikelihood(requests, need_greedy=greedy, progress=bar)

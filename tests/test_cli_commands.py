@@ -80,7 +80,7 @@ def test_ctrl_c_ends_with_a_line_and_exit_130(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(eval_cli, "run_tasks", interrupted)
     assert main(["eval", "tasks", "--out", str(tmp_path)]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == f"eightbit eval: interrupted; no configuration had finished: nothing was written to {tmp_path}"
+    assert err.strip() == f"eightbit eval: interrupted; nothing had finished: nothing was written to {tmp_path}"
     monkeypatch.setattr("eightbit.cli.run_generate", interrupted)
     assert main(["generate", "hi"]) == 130
     assert capsys.readouterr().err.strip() == "eightbit generate: interrupted"

@@ -124,6 +124,11 @@ def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, mo
     if not torch.cuda.is_available():
         assert main(["ppl", "--configs", "fp32", "--device", "cuda", "--out", str(tmp_path / "new")]) == 2
         assert "no CUDA GPU" in capsys.readouterr().err
+    # each configuration loaded its model and failed with a traceback
+    assert main(["ppl", "--configs", "fp32", "--device", "tpu", "--out", str(tmp_path / "new")]) == 2
+    assert "--device tpu: give cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert main(["ppl", "--configs", "fp32", "--window-size", "1", "--out", str(tmp_path / "new")]) == 2
+    assert "--window-size must be >= 2" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # a refused run makes no folder
 
 
@@ -144,8 +149,7 @@ def test_an_interrupted_run_leaves_its_json_table_and_chart_agreeing(tmp_path, m
     monkeypatch.setattr(configs, "build_scorer", build)
     rc = main(["ppl", "--configs", "fp32,bf16", "--windows", "1", "--window-size", "48", "--device", "cpu",
                "--kv-cache-memory-gb", "0.25", "--out", str(tmp_path), "--no-progress", "--overwrite"])
-    assert rc == 130 and f"interrupted; the configurations finished before it are in {tmp_path}" in \
-        capsys.readouterr().err
+    assert rc == 130 and f"interrupted; what finished before it is in {tmp_path}" in capsys.readouterr().err
     rows = json.loads((tmp_path / "ppl.json").read_text())["rows"]
     table = (tmp_path / "ppl.md").read_text()
     assert [r["config"] for r in rows] == ["fp32"] and "| fp32 | engine |" in table and "15.1374" not in table
@@ -224,3 +228,47 @@ def test_eval_tasks_caps_its_context_at_the_models(tmp_path, capsys):
     assert rc == 0
     rows = json.loads((tmp_path / "out" / "tasks.json").read_text())["rows"]
     assert [r["config"] for r in rows] == ["fp32"] and rows[0]["tasks"]["arc_easy"]["items"] == 2
+
+
+def fake_scorers(monkeypatch, interrupt_at=None):
+    """Stand-ins for the configurations' models: log-likelihood = -(tokens), all greedy; Ctrl-C at a task."""
+    import eightbit.eval.configs as configs
+    from eightbit.eval.configs import Score, Scorer
+
+    class Fake(Scorer):
+        def loglikelihood(self, requests, need_greedy=False, progress=None):
+            if need_greedy and interrupt_at == "lambada":
+                raise KeyboardInterrupt
+            return [Score(-float(len(t)), True, len(t) - s) for t, s in requests]
+
+    monkeypatch.setattr(configs, "build_scorer", lambda config, **kw: Fake(config))
+
+
+def test_an_interrupted_tasks_run_keeps_the_tasks_it_finished(tmp_path, monkeypatch, capsys):
+    """Results were written only after all of a configuration's tasks: a Ctrl-C during the last one (hours into a
+    CPU run) lost them all."""
+    from eightbit.eval.cli import main
+
+    fake_scorers(monkeypatch, interrupt_at="lambada")
+    rc = main(["tasks", "--configs", "bf16", "--limit", "3", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 130 and f"interrupted; what finished before it is in {tmp_path}" in capsys.readouterr().err
+    (row,) = json.loads((tmp_path / "tasks.json").read_text())["rows"]
+    assert list(row["tasks"]) == ["arc_easy", "hellaswag"] and row["unfinished"] == ["lambada"]
+    assert all(row["tasks"][t]["items"] == 3 for t in row["tasks"])
+    assert "| bf16 (unfinished) | engine |" in (tmp_path / "tasks.md").read_text()
+
+
+def test_a_one_item_run_writes_strict_json(tmp_path, monkeypatch):
+    """The standard error of one item is NaN, written as a bare NaN that strict JSON parsers refuse."""
+    from eightbit.eval.cli import main
+
+    fake_scorers(monkeypatch)
+    assert main(["tasks", "--configs", "bf16", "--tasks", "lambada", "--limit", "1", "--out", str(tmp_path),
+                 "--no-progress"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    (row,) = json.loads((tmp_path / "tasks.json").read_text(), parse_constant=refuse)["rows"]
+    assert row["tasks"]["lambada"]["acc"] == 1.0 and row["tasks"]["lambada"]["acc_stderr"] is None
+    assert "unfinished" not in row

@@ -38,11 +38,28 @@ def test_loaders_read_the_shared_files():
      '[{"label": "A", "text": "a"}]}, "answerKey": "E"}\n'),  # "'E' is not in list", no file named
     ("arc_easy", "arc-easy/ARC-Easy-Test.jsonl", "{not json\n"),
     ("hellaswag", "hellaswag/hellaswag_val_full.txt", "ctx\nthree\na\nb\nc\nd\n"),  # a gold label not a number
+    # an item cut short was dropped without a word
+    ("hellaswag", "hellaswag/hellaswag_val_full.txt", "ctx\n0\na\nb\nc\nd\nctx\n1\na\n"),
+    # an empty context, refused only after each model had loaded, naming no item
+    ("lambada", "lambada/lambada_test.jsonl", '{"text": "a b"}\n{"text": "word"}\n'),
 ])
 def test_a_malformed_data_file_is_named_in_the_error(tmp_path, task, path, text):
     (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / path).write_text(text)
     with pytest.raises(ValueError, match=f"{tmp_path / path} is not {task} data as eightbit reads it"):
+        load_task(task, tmp_path)
+
+
+@pytest.mark.parametrize("task,path,text", [
+    ("lambada", "lambada/lambada_test.jsonl", ""),
+    ("arc_easy", "arc-easy/ARC-Easy-Test.jsonl", ""),
+    ("hellaswag", "hellaswag/hellaswag_val_full.txt", ""),
+])
+def test_a_task_file_without_items_is_an_error(tmp_path, task, path, text):
+    """Every configuration loaded its model, then stopped with a ZeroDivisionError."""
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / path).write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path / path} holds no {task} items"):
         load_task(task, tmp_path)
 
 
@@ -142,7 +159,7 @@ def test_multiple_choice_matches_direct_hf(fp32_engine, hf_model, tokenizer):
 
 def test_lambada_greedy_matches_direct_hf(fp32_engine, hf_model, tokenizer):
     items = load_task("lambada", resolve_data_dir(), limit=4)
-    res = evaluate_task(fp32_engine, "lambada", items, tokenizer, progress=False)
+    res = evaluate_task(fp32_engine, "lambada", items, build_requests(items, tokenizer), progress=False)
     expected = []
     for (ids, start) in build_requests(items, tokenizer):
         with torch.no_grad():
