@@ -1,7 +1,8 @@
 """Calibration text: where it comes from, and how it becomes fixed-length token windows.
 
 A source is either
-  * a local text file, read with `datasets.load_dataset("text", data_files=...)`, or
+  * a local UTF-8 text file (universal newlines: the text `datasets.load_dataset("text", data_files=...)` gives,
+    without needing a writable `datasets` cache), or
   * `hf:NAME[:CONFIG][:SPLIT]`: anything `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`
     accepts (a hub dataset, or a local folder of .txt/.parquet/... files); its "text" column
     is used and SPLIT defaults to "validation".
@@ -10,7 +11,8 @@ With no source given, the WikiText-2 raw *validation* split is used if it can be
 file named by $EIGHTBIT_CALIB_DATA, else `../shared/data/wikitext-2/wiki.valid.raw` beside the
 source tree. Never calibrate on the text you evaluate on (eightbit evaluates on the test split).
 
-The text is tokenized once and cut into `num_samples` windows of `seq_len` tokens, spread
+The text is tokenized once (in pieces of about TOKENIZE_CHARS characters, split after a line: a fast tokenizer
+takes ~150 bytes of memory per character in one call) and cut into `num_samples` windows of `seq_len` tokens, spread
 evenly over the whole text (non-overlapping); each window starts with BOS when the
 tokenizer adds one, as the model sees text at inference.
 """
@@ -28,6 +30,7 @@ from eightbit.quant.errors import QuantizeError
 ENV_VAR = "EIGHTBIT_CALIB_DATA"
 WIKITEXT_VALID = Path("shared") / "data" / "wikitext-2" / "wiki.valid.raw"
 HF_PREFIX = "hf:"
+TOKENIZE_CHARS = 4_000_000  # WikiText-2's validation text (1.1 M characters) is one piece
 
 
 def default_calibration_source() -> str:
@@ -54,11 +57,11 @@ class CalibrationText:
 
 def load_calibration_text(source: str) -> CalibrationText:
     """Read the whole calibration text of a source (see the module docstring)."""
-    import datasets
-
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
     if source.startswith(HF_PREFIX):
+        import datasets
+
+        datasets.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
         parts = source[len(HF_PREFIX):].split(":")
         if not parts[0] or len(parts) > 3:
             raise QuantizeError(f"bad calibration source {source!r}: expected hf:NAME[:CONFIG][:SPLIT]")
@@ -78,30 +81,16 @@ def load_calibration_text(source: str) -> CalibrationText:
         if path.stat().st_size == 0:
             raise QuantizeError(f"calibration file {path} is empty")
         try:
-            ds = datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=True)
-        except Exception as e:
-            undecodable = _undecodable(e)  # datasets wraps it in "An error occurred while generating the dataset"
-            if undecodable is not None:
-                bad = undecodable.object[undecodable.start:undecodable.start + 8]
-                raise QuantizeError(f"calibration file {path} is not UTF-8 text ({undecodable.reason}: {bad!r})"
-                                    ) from e
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            bad = e.object[e.start:e.start + 8]
+            raise QuantizeError(f"calibration file {path} is not UTF-8 text ({e.reason}: {bad!r})") from e
+        except OSError as e:
             raise QuantizeError(f"cannot read calibration file {path}: {e}") from e
-        text = "".join(ds["text"])
         source = str(path.resolve())
     if not text.strip():
         raise QuantizeError(f"calibration source {source!r} holds no text")
     return CalibrationText(text, source, hashlib.sha256(text.encode("utf-8")).hexdigest())
-
-
-def _undecodable(error):
-    """The UnicodeDecodeError behind `error`, or None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, UnicodeDecodeError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
 
 
 @dataclass
@@ -130,17 +119,23 @@ class CalibrationSet:
         }
 
 
-def make_windows(text: CalibrationText, tokenizer, num_samples: int, seq_len: int) -> CalibrationSet:
+def make_windows(text: CalibrationText, tokenizer, num_samples: int, seq_len: int, progress=False) -> CalibrationSet:
     """Tokenize the text and take up to num_samples evenly spread, non-overlapping windows.
 
     Fewer windows are taken when the text is too short for num_samples of them; a text
     shorter than one window is an error."""
+    from tqdm.auto import tqdm
+
     if num_samples < 1 or seq_len < 2:
         raise QuantizeError(f"need num_samples >= 1 and seq_len >= 2, got {num_samples} and {seq_len}")
     level = logging.getLogger("transformers.tokenization_utils_base").level
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)  # "longer than max length"
+    ids = []
     try:
-        ids = tokenizer(text.text, add_special_tokens=False)["input_ids"]
+        pieces = text_pieces(text.text, TOKENIZE_CHARS)
+        for piece in tqdm(pieces, desc="tokenizing the calibration text", unit="piece",
+                          disable=not progress or len(pieces) < 2):
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
     finally:
         logging.getLogger("transformers.tokenization_utils_base").setLevel(level)
     bos = _bos_id(tokenizer)
@@ -160,6 +155,17 @@ def make_windows(text: CalibrationText, tokenizer, num_samples: int, seq_len: in
     if bos is not None:
         windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long), windows], dim=1)
     return CalibrationSet(windows, text.source, text.sha256, len(ids))
+
+
+def text_pieces(text: str, size: int) -> list[str]:
+    """text cut into pieces of at least `size` characters (the last may be shorter), each ending after a line."""
+    pieces, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size - 1)
+        end = len(text) if end < 0 else end + 1
+        pieces.append(text[start:end])
+        start = end
+    return pieces
 
 
 def _bos_id(tokenizer):

@@ -67,14 +67,14 @@ class EngineConfig:
             raise ValueError("kv_group_size applies to the int8 KV cache only: pass kv_cache_dtype='int8' with it")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = str(_checked_device(self.device))
+        self.device = str(checked_device(self.device))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
 
-def _checked_device(name) -> torch.device:
+def checked_device(name) -> torch.device:
     """The device named, if this machine has it (checked here, before minutes of model loading)."""
     try:
         device = torch.device(name)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import re
 import sys
 import time
 import traceback
@@ -144,15 +143,12 @@ def _check_args(args, stem, positive):
 
 
 def _check_device(device):
-    import torch
+    from eightbit.engine.config import checked_device
 
-    match = re.fullmatch(r"cuda(?::(\d+))?", device)
-    if device != "cpu" and match is None:
-        raise ValueError(f"--device {device}: give cpu, cuda or cuda:N")
-    if match is not None and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no CUDA GPU")
-    if match is not None and match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    try:
+        checked_device(device)
+    except ValueError as e:
+        raise ValueError(f"--device {device}: {e}") from None
 
 
 def _model_context(model) -> int:

@@ -66,8 +66,9 @@ def quantize(
     check_convert_options(**convert_options)
     leftovers = leftover_temp_dirs(out)
     if leftovers:
-        print(f"note: {', '.join(p.name for p in leftovers)} in {out.resolve().parent} hold the partial output of an "
-              f"earlier run that was killed (or of one still running): remove them to free their space",
+        print(f"note: {', '.join(p.name for p in leftovers)} in {out.resolve().parent} were left by an earlier run "
+              f"that was killed or could not move its checkpoint into place (its error named the folder holding "
+              f"it), or are being written by one still running: remove them once nothing in them is needed",
               file=sys.stderr, flush=True)
     device = _resolve_device(device)
     source = calib_data if calib_data is not None else default_calibration_source()
@@ -85,7 +86,7 @@ def quantize(
         tokenizer = checkpoint.load_tokenizer()
     except Exception as e:
         raise QuantizeError(f"cannot load the tokenizer of {checkpoint.source}: {e}") from e
-    calibration = make_windows(text, tokenizer, num_samples, seq_len)
+    calibration = make_windows(text, tokenizer, num_samples, seq_len, progress=progress)
     if calibration.num_samples < num_samples:
         print(f"note: the calibration text holds {calibration.num_samples} windows of {seq_len} tokens, fewer than "
               f"the {num_samples} asked for: calibrating on those", file=sys.stderr, flush=True)
@@ -142,16 +143,17 @@ def _config_only(src):
 def _resolve_device(device):
     import torch
 
+    from eightbit.engine.config import checked_device
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(device)
-    except RuntimeError as e:
-        raise QuantizeError(f"bad device {device!r}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise QuantizeError(f"device {device} asked for, but torch sees no CUDA GPU")
-    return device
+        return checked_device(device)  # only what calibration runs on: mps and meta failed with tracebacks later
+    except ValueError as e:
+        raise QuantizeError(f"--device: {e}") from None
 
+
+MODEL_FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth")
 
 HELP = """\
 Quantize a Llama-family model (llama, mistral without sliding window, qwen2) to an int8 W8A8
@@ -163,7 +165,8 @@ SIGTERM) leaves nothing.
 
   eightbit quantize SRC OUT    quantize SRC into OUT
   eightbit quantize OUT        quantize the embedded SmolLM2-135M-Instruct into OUT (one path is
-                               always OUT, even if it exists; rerun with --overwrite to replace it)
+                               always OUT, even if it exists; rerun with --overwrite to replace it;
+                               a name ending in .gguf or .safetensors is refused as OUT)
 """
 
 CALIB_HELP = """calibration text: a local text file, or hf:NAME[:CONFIG][:SPLIT] for a `datasets`
@@ -214,6 +217,11 @@ def run_quantize(args) -> int:
             print(f"error: {out} already exists: pass --overwrite to replace it (one path is OUT, for the "
                   f"embedded model; to quantize {out}, give SRC and OUT)", file=sys.stderr)
             return 2
+        if Path(out).suffix.lower() in MODEL_FILE_SUFFIXES:  # a source not there yet, or mistyped
+            print(f"error: {out} is named like a model file, but one path is OUT (the embedded model is quantized "
+                  f"into it): to quantize {out}, give SRC and OUT", file=sys.stderr)
+            return 2
+        print(f"no SRC given: quantizing the embedded SmolLM2-135M-Instruct into {out}", flush=True)
     if args.no_progress:  # transformers' own bars too (its GGUF conversion has one)
         from transformers.utils import logging as hf_logging
 

@@ -48,6 +48,9 @@ def check_output_path(out: Path, overwrite: bool) -> None:
         raise QuantizeError(f"{out} already exists: pass --overwrite to replace it")
     if out.exists():
         _check_replaceable(out)
+        if os.path.ismount(out):  # found only at the end, after the whole run, by a failing rename
+            raise QuantizeError(f"{out} is a mount point: the checkpoint is written beside it and renamed into "
+                                "place, which a mount point cannot take; pass a folder inside it")
     if not out.parent.is_dir():
         raise QuantizeError(f"the parent folder of {out} does not exist")
     if not os.access(out.parent, os.W_OK | os.X_OK):
@@ -141,7 +144,11 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     try:
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / out.name)
+            try:
+                os.rename(out, old / out.name)
+            except OSError:
+                old.rmdir()  # empty: nothing was moved into it
+                raise
             try:
                 os.rename(tmp, out)
             except OSError:

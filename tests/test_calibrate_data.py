@@ -2,6 +2,7 @@
 
 import copy
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,20 @@ def test_text_file_is_read_whole(tmp_path):
     f.write_text(text)
     ct = load_calibration_text(str(f))
     assert ct.text == text and ct.source == str(f.resolve()) and len(ct.sha256) == 64
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", "\r"])
+def test_a_text_file_reads_as_datasets_reads_it_without_datasets(tmp_path, monkeypatch, ending):
+    """Read through `datasets` before, which needs a writable cache even for a local file; the text (and so its
+    recorded sha256) is the same."""
+    import datasets
+
+    f = tmp_path / "c.txt"
+    f.write_bytes(ending.join(["first line", "", "ünïcödé \u2028 line", "last"]).encode())
+    reference = "".join(datasets.load_dataset("text", data_files=str(f), split="train", keep_linebreaks=True,
+                                              cache_dir=str(tmp_path / "cache"))["text"])
+    monkeypatch.setitem(sys.modules, "datasets", None)  # any import of it fails
+    assert load_calibration_text(str(f)).text == reference
 
 
 @pytest.mark.parametrize("content", ["", "\n\n   \n"])
@@ -99,6 +114,27 @@ def test_windows_are_spread_and_start_with_bos(tokenizer, adds_bos):
     assert body[-1].tolist() == ids[len(ids) - body.shape[1]:]  # last window at the end
     assert cs.summary() == {"source": "mem", "sha256": "0" * 64, "text_tokens": len(ids), "num_samples": 5,
                             "seq_len": 33, "tokens": 165}
+
+
+def test_a_long_text_is_tokenized_in_pieces_with_the_same_tokens(tokenizer, monkeypatch):
+    """One call for the whole text took ~150 bytes of memory per character (2 GB for WikiText-2's train split)."""
+    text = tiny_text(400)
+    lengths = []
+
+    class Spy:
+        bos_token_id = tokenizer.bos_token_id
+
+        def __call__(self, piece, add_special_tokens=True):
+            if not add_special_tokens:  # the text, not the probe for a BOS
+                lengths.append(len(piece))
+            return tokenizer(piece, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(data, "TOKENIZE_CHARS", 1000)
+    cs = make_windows(CalibrationText(text, "mem", "0" * 64), Spy(), num_samples=3, seq_len=40)
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(lengths) > 10 and max(lengths) < 1000 + max(map(len, text.split("\n")))
+    assert cs.text_tokens == len(whole) and cs.input_ids[-1].tolist() == whole[-40:]  # same tokens, to the end
+    assert "".join(data.text_pieces(text, 1000)) == text
 
 
 def test_short_text_gives_fewer_windows_or_an_error(tokenizer):

@@ -126,7 +126,7 @@ def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, mo
         assert "no CUDA GPU" in capsys.readouterr().err
     # each configuration loaded its model and failed with a traceback
     assert main(["ppl", "--configs", "fp32", "--device", "tpu", "--out", str(tmp_path / "new")]) == 2
-    assert "--device tpu: give cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert "--device tpu: device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'" in capsys.readouterr().err
     assert main(["ppl", "--configs", "fp32", "--window-size", "1", "--out", str(tmp_path / "new")]) == 2
     assert "--window-size must be >= 2" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # a refused run makes no folder

@@ -43,6 +43,18 @@ def test_one_path_is_always_out_for_the_embedded_model(monkeypatch, tmp_path, ca
     assert cli.run_quantize(parse([str(tmp_path), "--overwrite"])) == 0  # a rerun of `eightbit quantize OUT`
     assert seen[-1] == (None, str(tmp_path), True)
     assert cli.run_quantize(parse([])) == 2 and "missing OUT" in capsys.readouterr().err
+    for name in ("Llama-3.2-1B.gguf", "model.safetensors"):  # a source not downloaded yet became the OUT folder
+        assert cli.run_quantize(parse([str(tmp_path / name)])) == 2
+        assert f"{tmp_path / name} is named like a model file, but one path is OUT" in capsys.readouterr().err
+    assert len(seen) == 2 and not (tmp_path / "Llama-3.2-1B.gguf").exists()
+
+
+def test_one_path_says_the_embedded_model_is_quantized(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "quantize", lambda src, out, **kw: {})
+    monkeypatch.setattr(cli, "_report", lambda out, summary: None)
+    assert cli.run_quantize(parse([str(tmp_path / "new")])) == 0
+    assert f"no SRC given: quantizing the embedded SmolLM2-135M-Instruct into {tmp_path / 'new'}" in \
+        capsys.readouterr().out
 
 
 def test_no_progress_silences_transformers_bars_too(monkeypatch, tmp_path):
@@ -127,8 +139,11 @@ def test_device_option_and_bad_devices(tmp_path, monkeypatch):
     expect = "cuda" if torch.cuda.is_available() else "cpu"
     assert cli._resolve_device("auto").type == expect
     assert cli._resolve_device("cpu") == torch.device("cpu")
-    with pytest.raises(cli.QuantizeError, match="bad device 'gpu0'"):
+    with pytest.raises(cli.QuantizeError, match="--device: device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu0'"):
         cli._resolve_device("gpu0")
+    for device in ("mps", "meta"):  # calibration failed on them with a traceback, after the text and tokenizer loaded
+        with pytest.raises(cli.QuantizeError, match=f"--device: device must be 'cpu', 'cuda' or 'cuda:N', got '{device}'"):
+            cli._resolve_device(device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(cli.QuantizeError, match="no CUDA GPU"):
         cli.quantize(None, tmp_path / "out", device="cuda")
@@ -168,7 +183,7 @@ def test_a_file_at_out_is_named_as_such_and_leftovers_of_a_killed_run_are_pointe
     argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
             "--no-progress"]
     assert cli.run_quantize(parse(argv)) == 0
-    assert f"note: .q.tmp-abc123 in {tmp_path} hold the partial output of an earlier run" in capsys.readouterr().err
+    assert f"note: .q.tmp-abc123 in {tmp_path} were left by an earlier run" in capsys.readouterr().err
     assert killed.is_dir()  # pointed out, not deleted: it may be a run still going
 
 

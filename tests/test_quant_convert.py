@@ -241,6 +241,41 @@ def test_overwrite_refuses_a_folder_that_is_not_an_earlier_output(monkeypatch, c
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_mount_point_as_out_is_refused_before_any_work(monkeypatch, src, calib, tmp_path):
+    """An empty volume mounted at OUT passed --overwrite's checks; the rename at the very end then failed."""
+    from eightbit.quant import writer
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    monkeypatch.setattr(writer.os.path, "ismount", lambda path: Path(path) == volume)
+    monkeypatch.setattr(convert_module, "convert", lambda *a, **k: pytest.fail("conversion started"))
+    with pytest.raises(QuantizeError, match=f"{volume} is a mount point: .* pass a folder inside it"):
+        run(src, volume, calib, overwrite=True)
+    assert list(volume.iterdir()) == [] and leftovers(tmp_path, "volume") == []
+
+
+def test_a_failed_swap_keeps_out_and_leaves_only_the_new_checkpoint(monkeypatch, converted, src, calib, tmp_path):
+    """The empty folder the old OUT was to be moved into stayed behind, beside the kept new checkpoint."""
+    from eightbit.quant import writer
+
+    out = tmp_path / "q"
+    shutil.copytree(converted[0], out)
+    before = tree(out)
+    real_rename = os.rename
+
+    def busy(a, b):
+        if Path(a) == out:
+            raise OSError(16, "Device or resource busy")
+        return real_rename(a, b)
+
+    monkeypatch.setattr(writer.os, "rename", busy)
+    with pytest.raises(QuantizeError, match=f"cannot move the new checkpoint to {out}: .*busy; it is in "):
+        run(src, out, calib, overwrite=True, num_samples=2, seq_len=32)
+    assert tree(out) == before
+    (kept,) = leftovers(tmp_path, "q")
+    assert kept.startswith(".q.tmp-") and (tmp_path / kept / "config.json").is_file()
+
+
 def test_output_gets_the_umask_permissions(src, calib, tmp_path):
     previous = os.umask(0o022)
     try:
