@@ -118,6 +118,17 @@ def run_system(args, benches):
     emit = lambda *records: append_records(args.out, records)  # noqa: E731
     is_engine = args.system in ENGINE_SYSTEMS
 
+    copy_gbs = None
+    if "latency" in benches:  # first: measured after capacity's three engines, it came out 3-15 % low
+        try:
+            _log("copy bandwidth")
+            copy = measure_copy_bandwidth(device, args.copy_bytes)
+            copy_gbs = copy["best_gbs"]
+            emit(dict(base, bench="copy", ok=True, **copy))
+            _log(f"copy bandwidth {copy_gbs:.0f} GB/s ({copy})")
+        except Exception as e:
+            emit(dict(base, bench="copy", ok=False, error=short_error(e)))
+
     if "capacity" in benches:
         from eightbit.eval.bench_engine import bench_capacity
 
@@ -128,17 +139,6 @@ def run_system(args, benches):
         benches = [b for b in benches if b != "capacity"]
     if not benches:
         return
-
-    copy_gbs = None
-    if "latency" in benches:
-        try:
-            _log("copy bandwidth")
-            copy = measure_copy_bandwidth(device, args.copy_bytes)
-            copy_gbs = copy["best_gbs"]
-            emit(dict(base, bench="copy", ok=True, **copy))
-            _log(f"copy bandwidth {copy_gbs:.0f} GB/s ({copy})")
-        except Exception as e:
-            emit(dict(base, bench="copy", ok=False, error=short_error(e)))
 
     vocab = KNOWN_SHAPES[args.model]["vocab_size"] if args.model in KNOWN_SHAPES else 32000
     requests = make_requests(args.num_requests, args.input_len, args.output_len, vocab, args.seed)
@@ -232,7 +232,28 @@ def _throughput_line(r):
 def _records(out_dir, extra=()):
     from eightbit.eval.bench_common import load_records
 
-    return load_records([out_dir, *extra])
+    return against_best_copy(load_records([out_dir, *extra]))
+
+
+def against_best_copy(records):
+    """The records with every latency roofline % taken against the best copy bandwidth measured on its card (GPU
+    name and host) in any of the merged processes: each process measures its own, and one that measured low
+    (the int8 process measured 3-15 % below the others in every run through the fortieth) inflated its %."""
+    def card(r):
+        env = r.get("env") or {}
+        return env.get("gpu"), env.get("host")
+
+    best = {}
+    for r in records:
+        if r.get("bench") == "copy" and r.get("ok") and r.get("best_gbs"):
+            best[card(r)] = max(best.get(card(r), 0.0), r["best_gbs"])
+    out = []
+    for r in records:
+        copy = best.get(card(r))
+        if r.get("bench") == "latency" and copy and r.get("achieved_gbs") is not None:
+            r = dict(r, copy_gbs_own=r.get("copy_gbs"), copy_gbs=copy, roofline_pct=100.0 * r["achieved_gbs"] / copy)
+        out.append(r)
+    return out
 
 
 def throughput_rows(records):
@@ -258,6 +279,7 @@ def throughput_rows(records):
             note = f"prefix {r['num_requests']}/{r['num_requests_total']}" + ("; " + note if note else "")
         rows.append(dict(system=r["system"], requests=r.get("num_requests"), batch=r.get("batch_size"),
                          output_tok_s=r.get("output_tok_s") if r.get("ok") else None, int8_speedup=speedup,
+                         same_requests=not ref_note,
                          elapsed_s=r.get("elapsed_s"), note=(note + ref_note).strip("; "), ok=r.get("ok")))
     return rows
 
@@ -349,7 +371,7 @@ def plot_throughput(rows, path):
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()
     for i, r in enumerate(rows):
-        if r["int8_speedup"]:
+        if r["int8_speedup"] and r["same_requests"]:  # against another request list it is another workload
             ax.text(r["output_tok_s"], i, f"  int8 {r['int8_speedup']:.2f}x", va="center", fontsize=8)
     ax.set_xlabel("output tokens/s (real tokens)")
     ax.set_title("Offline throughput")
@@ -513,7 +535,7 @@ def summary(args) -> int:
     from eightbit.eval.bench_common import fmt, format_table, write_json
 
     os.makedirs(args.out, exist_ok=True)
-    records, tables = render(args.out, ALL_BENCHES, args.inputs, quiet=True)
+    records, tables = render(args.out, ALL_BENCHES, args.inputs, quiet=True)  # rooflines: against_best_copy
     expected = [s for s in args.expect.split(",") if s]
     present = {r.get("system") for r in records}
     missing = [s for s in expected if s not in present]

@@ -12,7 +12,8 @@ linear shapes (qkv, o, gate_up, down) and M in {1, 8, ..., 8192}:
 * ours_gemm  int8_gemm alone (the activation already quantized), GEMM after GEMM in the PDL chain
   (kernels/pdl.py, sm_90): each call's programs start, and prefetch their first weight lines, while the call
   before finishes, as a decode GEMM's do behind its producer in the engine
-* ours_gemm_nochain  the same without the chain: a call starts when the one before has ended, as cuBLAS's do
+* ours_gemm_nochain  the same without the chain: no call lets the next start early (at M <= 128 each is still
+  launched with PDL, so its programs are set up as the last ones of the call before exit; EIGHTBIT_PDL=0: none)
 * ours  quant_per_token + int8_gemm (what a linear layer without a fused producer costs)
 * read ceiling  per shape, a kernel that only reads the int8 weight bytes (eval/read_ceiling.py), timed the same
   way: what a weight-bound GEMM of that size can reach on this card (at 25 MB well below the copy bandwidth)
@@ -343,7 +344,7 @@ def render_markdown(dev_name, copy_gbs, lin, rows, ceilings=()):
     out = [f"Device: {dev_name}; device-to-device copy {copy_gbs:.0f} GB/s (read + write). "
            f"int8 peak taken as {INT8_PEAK_TOPS:.0f} TOP/s.", ""]
     out.append("`gemm` is timed GEMM after GEMM in the PDL chain (sm_90: each call starts while the one before "
-               "finishes), `no chain` without it, as cuBLAS runs; `int_mm` is torch._int_mm alone (int32 out), "
+               "finishes), `no chain` without it (still PDL-launched at M <= 128: EIGHTBIT_PDL=0 for none); `int_mm` is torch._int_mm alone (int32 out), "
                "`+dq` with its dequantization in plain torch. M values between the tuned buckets use the next "
                "bucket's config.")
     out.append("")
