@@ -91,12 +91,53 @@ def run_bench(args) -> int:
     for b in benches:
         if b not in ALL_BENCHES:
             raise ValueError(f"unknown benchmark {b!r}; known: {ALL_BENCHES}")
+    if not benches:
+        raise ValueError("--benches names no benchmark; known: " + ",".join(ALL_BENCHES))
     from eightbit.engine.dummy import check_model_shape
 
     check_model_shape(args.model)
+    check_run_args(args)
     run_system(args, benches)
     render(args.out, benches)
     return 0
+
+
+MIN_COPY_BYTES = 256 << 20  # the copy must stream from HBM: an H200's L2 holds 50 MB
+
+
+def check_run_args(args) -> None:
+    """Raise ValueError for the numbers a run would otherwise take up only after minutes of engine building (or run
+    with: a batch size of 0 gave an `ok` record of 0 tok/s, --prefix -5 all but the last 5 requests)."""
+    from eightbit.eval.bench_common import parse_range
+
+    for name in ("batch_sizes", "hf_batch_sizes"):
+        text = getattr(args, name)
+        try:
+            values = _int_list(text)
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be comma-separated integers >= 1, got {text!r}")
+    for name in ("input_len", "output_len"):
+        try:
+            parse_range(getattr(args, name))
+        except ValueError:
+            raise ValueError(f"--{name.replace('_', '-')} must be LO:HI or N with 1 <= LO <= HI, "
+                             f"got {getattr(args, name)!r}") from None
+    for name in ("num_requests", "peer_requests", "prefix", "prompt_len", "new_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    if device.startswith("cuda") and args.copy_bytes < MIN_COPY_BYTES:
+        raise ValueError(f"--copy-bytes must be >= {MIN_COPY_BYTES} on a GPU (a smaller copy runs in its L2 and "
+                         f"lowers every % of the roofline), got {args.copy_bytes}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _log(msg):

@@ -122,3 +122,32 @@ def test_cli_rejects_an_unknown_model_shape_before_anything_runs(tmp_path, capsy
     err = capsys.readouterr().err
     assert "got 'lama-3-8b'" in err and "'llama-3-8b'" in err  # the typo, and the shapes there are
     assert not out.exists()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--batch-sizes", "0,1", "--batch-sizes must be comma-separated integers >= 1, got '0,1'"),  # an ok record of 0 tok/s
+    ("--batch-sizes", "1;16", "--batch-sizes must be comma-separated integers >= 1"),  # a bare int() error, minutes in
+    ("--hf-batch-sizes", "0", "--hf-batch-sizes must be comma-separated integers >= 1"),
+    ("--input-len", "100:10", "--input-len must be LO:HI or N with 1 <= LO <= HI, got '100:10'"),
+    ("--prefix", "-5", "--prefix must be >= 1, got -5"),  # ran all but the last 5 requests
+    ("--benches", ",", "--benches names no benchmark"),  # did nothing, silently
+])
+def test_cli_rejects_bad_numbers_before_anything_runs(tmp_path, capsys, monkeypatch, option, value, message):
+    import eightbit.eval.bench_cli as bench_cli
+    from eightbit.cli import main
+
+    monkeypatch.setattr(bench_cli, "run_system", lambda *a: pytest.fail("the run started"))
+    out = tmp_path / "out"
+    assert main(["bench", "run", "--model", "llama-tiny", "--device", "cpu", "--out", str(out), option, value]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_cli_rejects_a_copy_the_l2_would_hold_on_a_gpu(tmp_path, capsys, monkeypatch):
+    import eightbit.eval.bench_cli as bench_cli
+    from eightbit.cli import main
+
+    monkeypatch.setattr(bench_cli, "run_system", lambda *a: pytest.fail("the run started"))
+    monkeypatch.setattr(bench_cli, "_cuda_available", lambda: True)
+    assert main(["bench", "latency", "--model", "llama-tiny", "--out", str(tmp_path), "--copy-bytes",
+                 str(1 << 20)]) == 2
+    assert "--copy-bytes must be >= 268435456 on a GPU" in capsys.readouterr().err
