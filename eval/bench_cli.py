@@ -155,7 +155,7 @@ def run_system(args, benches):
     deadline = Deadline(args.time_cap)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     base = dict(system=args.system, model=args.model, device=device, seed=args.seed, time=time.time(),
-                env=environment(device))
+                input_len=args.input_len, output_len=args.output_len, env=environment(device))
     emit = lambda *records: append_records(args.out, records)  # noqa: E731
     is_engine = args.system in ENGINE_SYSTEMS
 
@@ -572,10 +572,25 @@ def goals_table(goals):
                         "Issue 6 goals")
 
 
+def check_one_workload(records) -> None:
+    """The tables and goals pair records by system and request count only: refuse to merge records of several
+    models, or of several request lists (their lengths and seed; records before the fifty-second session have no
+    lengths and count as any)."""
+    runs = [r for r in records if r.get("bench") in ("latency", "throughput")]
+    models = sorted({r.get("model") for r in runs if r.get("model")})
+    lists = sorted({(r.get("input_len"), r.get("output_len"), r.get("seed")) for r in runs
+                    if r.get("bench") == "throughput" and r.get("input_len") is not None}, key=str)
+    if len(models) > 1 or len(lists) > 1:
+        raise ValueError("the records merged hold several " + ("models " + ", ".join(models) if len(models) > 1 else
+                         "request lists (input, output lengths, seed) " + ", ".join(map(str, lists)))
+                         + ": summarize each in its own --out")
+
+
 def summary(args) -> int:
     from eightbit.eval.bench_common import fmt, format_table, write_json
 
     os.makedirs(args.out, exist_ok=True)
+    check_one_workload(_records(args.out, args.inputs))
     records, tables = render(args.out, ALL_BENCHES, args.inputs, quiet=True)  # rooflines: against_best_copy
     expected = [s for s in args.expect.split(",") if s]
     present = {r.get("system") for r in records}

@@ -97,3 +97,19 @@ def test_the_throughput_chart_labels_only_speed_ups_on_the_same_requests(tmp_pat
     assert [r["int8_speedup"] for r in rows] == [pytest.approx(1.0), pytest.approx(1.2), pytest.approx(24.0)]
     plot_throughput(rows, tmp_path / "t.png")
     assert labels == ["int8 1.00x", "int8 1.20x"]  # not 24x against 64 requests of another workload
+
+
+def test_the_summary_refuses_to_pair_records_of_other_models_or_request_lists():
+    """Records were paired by system and request count only: a 1B run's int8 against an 8B run's bf16."""
+    from eightbit.eval.bench_cli import check_one_workload
+
+    def thr(system, model, lens=("100:1024", "100:1024")):
+        return dict(bench="throughput", system=system, model=model, num_requests=64, ok=True, output_tok_s=1.0,
+                    input_len=lens[0], output_len=lens[1], seed=0)
+
+    check_one_workload([thr("eightbit-int8", "llama-3-8b"), thr("eightbit-bf16", "llama-3-8b"),
+                        dict(bench="copy", model="llama-3.2-1b")])
+    with pytest.raises(ValueError, match="several models llama-3-8b, llama-3.2-1b"):
+        check_one_workload([thr("eightbit-int8", "llama-3.2-1b"), thr("eightbit-bf16", "llama-3-8b")])
+    with pytest.raises(ValueError, match="several request lists"):
+        check_one_workload([thr("eightbit-int8", "llama-3-8b"), thr("eightbit-bf16", "llama-3-8b", ("5:20", "2:6"))])
