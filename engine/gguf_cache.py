@@ -6,8 +6,8 @@ safetensors, config, generation config, tokenizer files) is written once under t
 then on as an HF checkpoint directory (`eightbit generate` on the embedded model: ~35 s the first time, ~10 s
 after).
 
-One entry per GGUF path, replaced when the file's size or modification time, the transformers version or this
-format changes, or when one of its files no longer has the size it was written with. An entry is written to a
+One entry per GGUF path, replaced when the file's size, modification or status-change time, the transformers
+version or this format changes, or when one of its files no longer has the size it was written with. An entry is written to a
 temporary directory, flushed to disk and renamed into place, so a crash, Ctrl-C or power loss never leaves a
 half-written one. Processes opening the same GGUF at once convert it once: the others wait on a lock file and then
 read the first one's entry; where locks do not work, a process that finds a valid entry in place when its own
@@ -54,9 +54,9 @@ def entry_dir(gguf: Path) -> Path | None:
 def _source(gguf: Path) -> dict:
     import transformers
 
-    stat = gguf.stat()
+    stat = gguf.stat()  # ctime too: a copy that keeps size and mtime (cp -p, rsync -a, tar) still changes it
     return {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "transformers": transformers.__version__, "format": FORMAT}
+            "ctime_ns": stat.st_ctime_ns, "transformers": transformers.__version__, "format": FORMAT}
 
 
 def lookup(gguf: Path) -> Path | None:

@@ -77,6 +77,12 @@ def test_an_entry_is_used_until_its_file_changes(gguf):
     assert gguf_cache.lookup(gguf) == entry and (entry / "marker").read_text() == "first"
     gguf.write_bytes(b"GGUF two, longer")  # another file at the same path
     assert gguf_cache.lookup(gguf) is None
+    assert gguf_cache.store(gguf, write_marker("two")) == entry and gguf_cache.lookup(gguf) == entry
+    stat = gguf.stat()
+    gguf.write_bytes(b"GGUF 2, as long!")  # copied over with its size and mtime kept (cp -p, rsync -a)
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert gguf.stat().st_size == stat.st_size and gguf.stat().st_mtime_ns == stat.st_mtime_ns
+    assert gguf_cache.lookup(gguf) is None
     assert gguf_cache.store(gguf, write_marker("second")) == entry
     assert gguf_cache.lookup(gguf) == entry and (entry / "marker").read_text() == "second"
     assert leftovers(gguf) == []
