@@ -17,7 +17,7 @@ class EngineConfig:
     model: str | None = None  # HF checkpoint dir, GGUF file, int8 checkpoint dir, None = embedded SmolLM2
     dtype: str = "bfloat16"  # activations and the float weights
     device: str | None = None  # None: cuda if available, else cpu
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (a Mistral's sliding window)
     block_size: int = 16  # tokens per KV-cache block
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # the per-step token budget

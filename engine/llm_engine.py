@@ -17,6 +17,7 @@ from eightbit.engine.config import EngineConfig
 from eightbit.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from eightbit.engine.loader import load_model
 from eightbit.engine.model_runner import ModelRunner, kv_bytes_per_token
+from eightbit.engine.models.llama import context_limit
 from eightbit.engine.outputs import CompletionOutput, RequestOutput
 from eightbit.engine.sampler import (
     SamplingTensors,
@@ -106,10 +107,14 @@ class LLMEngine:
         return torch.device(self.config.device).type == "cuda"
 
     def _max_model_len(self) -> int:
-        limit = self.hf_config.max_position_embeddings
+        limit = context_limit(self.hf_config)
         wanted = self.config.max_model_len or limit
+        if wanted > self.hf_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings="
+                             f"{self.hf_config.max_position_embeddings}")
         if wanted > limit:
-            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+            raise ValueError(f"max_model_len={wanted} exceeds the model's sliding window of {limit} tokens "
+                             f"(sliding-window attention is not implemented; up to the window it equals full attention)")
         return wanted
 
     def _kv_format(self, checkpoint_group_size):

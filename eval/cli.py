@@ -152,10 +152,11 @@ def _check_device(device):
 
 
 def _model_context(model) -> int:
-    """The model's max_position_embeddings (its config only: the weights load per configuration)."""
+    """The longest sequence the model runs (its config only: the weights load per configuration)."""
+    from eightbit.engine.models.llama import context_limit
     from eightbit.engine.weights import open_checkpoint
 
-    return open_checkpoint(model).config.max_position_embeddings
+    return context_limit(open_checkpoint(model).config)
 
 
 def _quiet_transformers(args) -> None:

@@ -101,8 +101,10 @@ def _check_sizes(src, num_samples, seq_len, kv_group_size) -> int:
     length (seq_len None: DEFAULT_SEQ_LEN, or the model's context where that is shorter)."""
     from eightbit.quant.schemes import KV_GROUP_SIZES, KVCacheScheme, head_dim
 
+    from eightbit.engine.models.llama import context_limit
+
     config = _config_only(src)
-    context = getattr(config, "max_position_embeddings", None)
+    context = context_limit(config) if getattr(config, "max_position_embeddings", None) else None
     if seq_len is None:
         seq_len = DEFAULT_SEQ_LEN if context is None else min(DEFAULT_SEQ_LEN, context)
     if num_samples < 1 or seq_len < 2:
@@ -156,7 +158,7 @@ def _resolve_device(device):
 MODEL_FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth")
 
 HELP = """\
-Quantize a Llama-family model (llama, mistral without sliding window, qwen2) to an int8 W8A8
+Quantize a Llama-family model (llama, mistral, qwen2 without sliding window) to an int8 W8A8
 checkpoint in the compressed-tensors format (vLLM reads it too): Linear weights int8 per output
 channel, activations int8 per token at run time, SmoothQuant folded into norms and weights,
 and eightbit's int8 KV-cache scheme recorded in config.json. Runs layer by layer, so models

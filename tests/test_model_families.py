@@ -45,7 +45,27 @@ def test_family_matches_hf_logits(family, tmp_path, tiny_tokenizer):
         assert abs(out.outputs[0].logprobs[j][token] - ref[len(ids) - 1 + j, token].item()) < 1e-4
 
 
-def test_mistral_sliding_window_is_refused(tmp_path, tiny_tokenizer):
-    folder = make_tiny_checkpoint(tmp_path / "m", "mistral", tokenizer=tiny_tokenizer, sliding_window=32)
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory_gb=0.05)
+def test_a_sliding_window_mistral_runs_up_to_its_window(tmp_path, tiny_tokenizer):
+    """Refused outright before (Mistral-7B-v0.1's window is 4,096 of 32,768 positions); up to the window, sliding-window
+    attention is full attention, so it runs there: HF's own model, which applies the window, agrees."""
+    folder = make_tiny_checkpoint(tmp_path / "m", "mistral", tokenizer=tiny_tokenizer, sliding_window=64)
+    with pytest.raises(ValueError, match="max_model_len=128 exceeds the model's sliding window of 64 tokens"):
+        LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory_gb=0.05, max_model_len=128)
+    llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory_gb=0.05)
+    assert llm.engine.max_model_len == 64
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert hf.config.sliding_window == 64
+    ids = [1] + [(13 * i + 7) % 300 + 3 for i in range(54)]
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0,
+                                              ignore_eos=True), use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    assert len(ids) + len(generated) == 63
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids + generated])).logits[0].double(), -1)
+    ours = [entry[t] for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    assert torch.allclose(torch.tensor(ours, dtype=torch.float64),
+                          ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4)
+    for j, token in enumerate(generated):
+        assert abs(out.outputs[0].logprobs[j][token] - ref[len(ids) - 1 + j, token].item()) < 1e-4
+    with pytest.raises(ValueError, match="leaves no room to generate within max_model_len=64"):
+        llm.generate([[1] * 64], SamplingParams(max_tokens=1), use_tqdm=False)

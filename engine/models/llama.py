@@ -34,17 +34,19 @@ def check_supported(config):
         raise ValueError(
             f"unsupported architecture {model_type!r}: eightbit runs {', '.join(SUPPORTED_MODEL_TYPES)} models"
         )
-    if model_type == "mistral" and getattr(config, "sliding_window", None):
-        if config.sliding_window < config.max_position_embeddings:
-            raise ValueError(
-                f"Mistral sliding-window attention (window {config.sliding_window}) is not implemented; "
-                "only full-attention checkpoints run"
-            )
     if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
         raise ValueError("Qwen2 sliding-window attention is not implemented")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
     check_rope_type(config)
+
+
+def context_limit(config) -> int:
+    """The longest sequence the model runs exactly: max_position_embeddings, or a Mistral sliding window shorter than
+    that (sliding-window attention is not implemented; up to the window it is the same as full attention)."""
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None) if getattr(config, "model_type", None) == "mistral" else None
+    return min(limit, window) if window else limit
 
 
 class LlamaAttention(nn.Module):
