@@ -15,6 +15,9 @@ def pytest_configure(config):
     run's kernel tests run on any machine. A value already set wins."""
     selects_gpu = "gpu" in (config.getoption("markexpr") or "").replace("not gpu", "")
     os.environ.setdefault("TRITON_INTERPRET", "0" if selects_gpu and torch.cuda.is_available() else "1")
+    if os.environ["TRITON_INTERPRET"] == "0" and not torch.cuda.is_available():  # every kernel test would skip
+        raise pytest.UsageError("TRITON_INTERPRET=0 on a machine without CUDA: the kernel tests need the Triton "
+                                "interpreter here (unset it, or set it to 1)")
     # the tests hold the committed GEMM table: one named for an engine A/B (eval/ab_gemm_table.py) is not theirs
     os.environ.pop("EIGHTBIT_GEMM_TABLE", None)
     # converted GGUFs (engine/gguf_cache.py) go to this run's own directory, not the user's cache; subprocesses

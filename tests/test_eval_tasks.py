@@ -160,10 +160,13 @@ def test_multiple_choice_matches_direct_hf(fp32_engine, hf_model, tokenizer):
 def test_lambada_greedy_matches_direct_hf(fp32_engine, hf_model, tokenizer):
     items = load_task("lambada", resolve_data_dir(), limit=4)
     res = evaluate_task(fp32_engine, "lambada", items, build_requests(items, tokenizer), progress=False)
-    expected = []
+    expected, loglikelihoods = [], []
     for (ids, start) in build_requests(items, tokenizer):
         with torch.no_grad():
             logits = hf_model(torch.tensor([ids])).logits[0]
         expected.append(int(all(logits[j - 1].argmax().item() == ids[j] for j in range(start, len(ids)))))
+        logprobs = torch.log_softmax(logits.double(), -1)
+        loglikelihoods.append(sum(logprobs[j - 1, ids[j]].item() for j in range(start, len(ids))))
     assert res["outcomes"]["acc"] == expected
-    assert res["ppl"] > 1.0
+    # lm-eval's lambada perplexity: exp of minus the mean per-passage log-likelihood (not per token)
+    assert res["ppl"] == pytest.approx(math.exp(-sum(loglikelihoods) / len(loglikelihoods)), rel=1e-4)

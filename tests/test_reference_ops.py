@@ -60,6 +60,19 @@ def test_paged_attention_on_a_poisoned_shuffled_cache(int8):
     assert torch.allclose(pre.double(), naive_attention(chunk, keys[2], values[2], 7), atol=1e-5)
 
 
+def test_kv_groups_by_hand():
+    """scale = group absmax / 127, rounded to float16 first; q = round(x / that scale), ties to even, within +-127."""
+    x = torch.tensor([[127.0, -63.5, 0.5, 1.5, 2.0, -4.0, 8.0, 1.0]])
+    q, scale = quantize_groups(x, 4, torch.float16)
+    assert scale.dtype == torch.float16 and scale[0, 0].item() == 1.0
+    assert scale[0, 1].item() == 0.06298828125  # 8 / 127 = 0.0629921... as a float16
+    # 2 / s = 31.75, -4 / s = -63.50 (just past the tie), 8 / s = 127.008 (clamped), 1 / s = 15.876
+    assert q.tolist() == [[127, -64, 0, 2, 32, -64, 127, 16]]
+    assert torch.equal(dequantize_groups(q, scale), torch.tensor([[127.0, -64.0, 0.0, 2.0, 32 * 0.06298828125,
+                                                                   -64 * 0.06298828125, 127 * 0.06298828125,
+                                                                   16 * 0.06298828125]]))
+
+
 def test_int8_kv_write_round_trip_error_is_within_half_a_step():
     x = torch.randn(5, 2, 64) * torch.logspace(-2, 2, 64)
     cache = torch.zeros(2, 4, 2, 64, dtype=torch.int8)

@@ -503,14 +503,21 @@ def test_a_prompt_of_long_tokens_that_fits_is_not_refused_for_its_characters(ser
     assert resp.json()["usage"]["prompt_tokens"] == num_tokens
 
 
-def test_chat_template_variables_still_reach_the_template(client, offline):
+def test_chat_template_variables_still_reach_the_template(client, offline, monkeypatch):
     """chat_template_kwargs keeps setting the template's own variables; only apply_chat_template's parameters are
-    refused."""
+    refused. (SmolLM2's template reads no variable, so the rendering is watched: the reply alone would be the same
+    had the variable been dropped.)"""
+    from eightbit.engine.server import api
+
+    seen = []
+    real = api.render_chat
+    monkeypatch.setattr(api, "render_chat", lambda *args, **kwargs: seen.append(kwargs) or real(*args, **kwargs))
     messages = [{"role": "user", "content": "Hi"}]
     ref = offline.chat(messages, greedy(4), use_tqdm=False)[0].outputs[0].text
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                          extra_body={"chat_template_kwargs": {"some_template_variable": True}})
     assert out.choices[0].message.content == ref
+    assert seen == [{"some_template_variable": True}]
 
 
 def test_the_overload_metric_counts_queue_rejections_only():
