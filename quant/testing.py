@@ -3,6 +3,8 @@
     make_tiny_checkpoint(folder, **config_overrides)  -> folder with config.json, sharded
         safetensors, a small byte-level BPE tokenizer and generation_config.json
     tiny_text(n_lines)                                -> deterministic English-like text
+    hf_model_of(dequantized_state(folder), folder)    -> HF's model of an int8 checkpoint, weights dequantized;
+        per_token_input_quant(model) then rounds its Linear inputs as W8A8 does (the reference of the int8 path)
 """
 
 import random
@@ -110,3 +112,51 @@ def bos_chat_tokenizer(tokenizer, eos_token="</s>"):
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos_token)
     tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return tok
+
+
+# --- W8A8 simulated in float, with HF transformers' own model: the reference for quantized checkpoints -------
+
+
+def all_tensors(folder) -> dict:
+    """Every tensor of a checkpoint folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def dequantized_state(folder) -> dict:
+    """A quantized checkpoint's state dict with every int8 weight dequantized (float32), its scales dropped."""
+    from eightbit.quant.int8 import dequantize
+
+    tensors = all_tensors(folder)
+    return {name: dequantize(x, tensors[name + "_scale"]) if x.dtype == torch.int8 else x.float()
+            for name, x in tensors.items() if not name.endswith(".weight_scale")}
+
+
+def hf_model_of(state: dict, config_dir):
+    """HF transformers' float32 model of config_dir's config (its quantization_config dropped) holding `state`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def per_token_input_quant(model):
+    """Make every decoder Linear see per-token int8-rounded inputs (W8A8 simulated in float)."""
+    from eightbit.quant.int8 import dequantize, quantize_per_token
+
+    def hook(module, args):
+        q, s = quantize_per_token(args[0])
+        return (dequantize(q, s),)
+
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and "layers." in name:
+            m.register_forward_pre_hook(hook)
+    return model

@@ -18,8 +18,8 @@ from eightbit.quant import convert as convert_module
 from eightbit.quant.checkpoint_format import read_calibration_summary, read_quantization_config
 from eightbit.quant.cli import quantize
 from eightbit.quant.errors import QuantizeError
-from eightbit.quant.int8 import dequantize
-from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer, tiny_text
+from eightbit.quant.testing import (all_tensors, dequantized_state, hf_model_of, make_tiny_checkpoint,
+                                    make_tiny_tokenizer, per_token_input_quant, tiny_text)
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -46,13 +46,6 @@ def run(src, out, calib, **kw):
     opts = dict(calib_data=calib, num_samples=6, seq_len=48, progress=False)
     opts.update(kw)
     return quantize(src, out, **opts)
-
-
-def all_tensors(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def leftovers(parent, name):
@@ -102,52 +95,14 @@ def test_layout(converted, src):
             assert cfg[k] == src_cfg[k]
 
 
-def dequantized_state(folder):
-    t = all_tensors(folder)
-    state = {}
-    for name, x in t.items():
-        if name.endswith(".weight_scale"):
-            continue
-        if x.dtype == torch.int8:
-            state[name] = dequantize(x, t[name + "_scale"])
-        else:
-            state[name] = x.float()
-    return state
-
-
-def hf_model(folder_or_state, config_dir):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(config_dir)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.load_state_dict(folder_or_state, strict=False)
-    return model
-
-
-def per_token_input_quant(model):
-    """Make every decoder Linear see per-token int8-rounded inputs (W8A8 simulated in float)."""
-    from eightbit.quant.int8 import quantize_per_token
-
-    def hook(module, args):
-        q, s = quantize_per_token(args[0])
-        return (dequantize(q, s),)
-
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and "layers." in name:
-            m.register_forward_pre_hook(hook)
-    return model
-
-
 def test_dequantized_checkpoint_reproduces_the_float_model(converted, src):
     out, _ = converted
-    ref_model = hf_model(all_tensors(src), src)
+    ref_model = hf_model_of(all_tensors(src), src)
     ids = torch.tensor(make_tiny_tokenizer()(tiny_text(8, seed=9))["input_ids"][:64]).unsqueeze(0)
     with torch.no_grad():
         ref = ref_model(ids).logits
-        w8 = hf_model(dequantized_state(out), out)(ids).logits  # smoothing folded + int8 weights
-        w8a8 = per_token_input_quant(hf_model(dequantized_state(out), out))(ids).logits
+        w8 = hf_model_of(dequantized_state(out), out)(ids).logits  # smoothing folded + int8 weights
+        w8a8 = per_token_input_quant(hf_model_of(dequantized_state(out), out))(ids).logits
     err_w8 = ((w8 - ref).norm() / ref.norm()).item()
     err_w8a8 = ((w8a8 - ref).norm() / ref.norm()).item()
     # this random model with planted outliers is sensitive: rounding its weights to bf16
@@ -164,9 +119,9 @@ def test_smoothing_beats_no_smoothing_end_to_end(converted, src, calib, tmp_path
     assert all(r["alpha"] is None for layer in plain_summary["layers"] for r in layer.values())
     ids = torch.tensor(make_tiny_tokenizer()(tiny_text(8, seed=9))["input_ids"][:64]).unsqueeze(0)
     with torch.no_grad():
-        ref = hf_model(all_tensors(src), src)(ids).logits
-        smooth = per_token_input_quant(hf_model(dequantized_state(out), out))(ids).logits
-        naive = per_token_input_quant(hf_model(dequantized_state(plain), plain))(ids).logits
+        ref = hf_model_of(all_tensors(src), src)(ids).logits
+        smooth = per_token_input_quant(hf_model_of(dequantized_state(out), out))(ids).logits
+        naive = per_token_input_quant(hf_model_of(dequantized_state(plain), plain))(ids).logits
     assert (smooth - ref).norm() < 0.7 * (naive - ref).norm()
     for p in ("qkv", "gate_up", "down"):
         assert summary["mean_error"][p] < summary["mean_error_unsmoothed"][p] / 2
