@@ -637,18 +637,18 @@ def _dequant_cache(kc, vc, ks, vs):
     return dequantize_groups(kc, ks).double(), dequantize_groups(R.v_token_major(kc, vc), vs).double(), None, None
 
 
-def _bf16_torch_attention(q, kc, vc, ks, vs, block_tables, cu, seq_lens, scale):
-    """Plain torch, the same math with bf16 operands and outputs (the comparison baseline)."""
+def _low_precision_torch_attention(q, kc, vc, ks, vs, block_tables, cu, seq_lens, scale):
+    """Plain torch, the same math with operands and outputs in q's dtype, bf16 or fp16 (the comparison baseline)."""
     kd, vd, _, _ = _dequant_cache(kc, vc, ks, vs)
-    kd, vd = kd.to(torch.bfloat16), vd.to(torch.bfloat16)
+    kd, vd = kd.to(q.dtype), vd.to(q.dtype)
     out = torch.empty_like(q)
     starts = cu.tolist()
     for b, length in enumerate(seq_lens.tolist()):
         s, e = starts[b], starts[b + 1]
         if e == s:
             continue
-        k = R.gather_kv(kd, None, block_tables[b], length).to(torch.bfloat16)
-        v = R.gather_kv(vd, None, block_tables[b], length).to(torch.bfloat16)
+        k = R.gather_kv(kd, None, block_tables[b], length).to(q.dtype)
+        v = R.gather_kv(vd, None, block_tables[b], length).to(q.dtype)
         grp = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e], k) * scale
@@ -662,11 +662,11 @@ def _check_fa_rule(out, q, sc, scale, atol=1e-3):
     kd, vd, _, _ = _dequant_cache(*sc.caches)
     ref = R.prefill_attention(q.double(), kd.double(), vd.double(), None, None, sc.block_tables, sc.cu,
                               sc.seq_lens, scale)
-    base = _bf16_torch_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    base = _low_precision_torch_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
     err = (out.double() - ref).abs().max().item()
     base_err = (base.double() - ref).abs().max().item()
     assert torch.isfinite(out).all()
-    assert err <= 2 * base_err + atol, f"kernel error {err} > 2 x bf16-torch error {base_err} + {atol}"
+    assert err <= 2 * base_err + atol, f"kernel error {err} > 2 x {q.dtype}-torch error {base_err} + {atol}"
 
 
 GPU_CASES = [("int8-32", 128, 32, 8), ("int8-d", 64, 12, 3), ("bf16", 128, 32, 8), ("int8-32", 128, 8, 8)]
@@ -733,8 +733,7 @@ def test_gpu_prefill_ws_kernel(monkeypatch, dtype, d, hq, hkv, page, int64_meta,
     ws = prefill_attention(*args)
     torch.cuda.synchronize()
     assert calls == [1]
-    if dtype == torch.bfloat16:
-        _check_fa_rule(ws, q, sc, d ** -0.5)
+    _check_fa_rule(ws, q, sc, d ** -0.5)  # fp16 too: against the Triton kernel alone, 0.02 hid a 10 % error
     assert torch.isfinite(ws).all()
     for _ in range(2):  # deterministic: a race between the partitions would show as changed bits
         torch.testing.assert_close(prefill_attention(*args), ws, rtol=0, atol=0)
