@@ -66,7 +66,7 @@ def wait_idle(server, timeout=10.0) -> dict:
     while True:
         m = metrics(server)
         idle = (m["eightbit_num_requests_running"] == 0 and m["eightbit_num_requests_waiting"] == 0
-                and m["eightbit_kv_cache_blocks_used"] == 0)
+                and m["eightbit_kv_cache_blocks_used"] == 0 and server.app.state.server.num_queued == 0)
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
@@ -547,6 +547,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
     # the connection is closed mid-stream: the request is aborted and its blocks go back to the pool
     idle = wait_idle(server)
     assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
+    assert server.app.state.server.num_queued == 0  # a leak here makes --max-queue refuse everything in time
     assert not in_process(server) or not server.async_engine.engine.requests
     generated = idle["eightbit_generation_tokens_total"]
     time.sleep(0.3)
@@ -569,6 +570,7 @@ def test_non_stream_disconnect_aborts(server):
     assert metrics(server).get(closed, 0) == before + 1
     idle = wait_idle(server)
     assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
+    assert server.app.state.server.num_queued == 0
     assert not in_process(server) or not server.async_engine.engine.requests
 
 
