@@ -80,10 +80,13 @@ def converting(gguf: Path):
     the first one's entry (lookup) instead of converting it again. Does nothing where the cache is off or the lock
     file cannot be made."""
     entry = entry_dir(gguf)
+    if entry is None:  # the cache is off
+        yield
+        return
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         lock = open(entry.parent / f"{entry.name}.lock", "a")
-    except (AttributeError, OSError):  # the cache is off (entry is None), or cannot be written
+    except OSError:  # the cache cannot be written
         yield
         return
     with lock:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from eightbit.engine.layers.rotary import cos_sin_cache
-from eightbit.engine.models.llama import PACKED_MODULES, LlamaForCausalLM, check_supported
+from eightbit.engine.models.llama import PACKED_MODULES, LlamaForCausalLM, context_limit
 from eightbit.engine.weights import open_checkpoint
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -37,9 +37,8 @@ def load_model(config) -> LoadedModel:
     hf_config = ckpt.config
     scheme = _read_quantization(hf_config)
     quantized = scheme is not None
-    check_supported(hf_config)
-    tokenizer = ckpt.load_tokenizer()  # before the weights: a checkpoint without one fails in seconds, not minutes
     model = build_model(hf_config, quantized, config.torch_dtype, config.device, config.max_model_len)
+    tokenizer = ckpt.load_tokenizer()  # before the weights: a checkpoint without one fails in seconds, not minutes
     load_weights(model, ((name, ckpt.get_tensor(name)) for name in ckpt.tensor_names()))
     if config.quantization == "w8a8" and not quantized:
         model.quantize_linears_()
@@ -58,12 +57,12 @@ def _read_quantization(hf_config):
 
 
 def build_model(hf_config, quantized, dtype, device, max_model_len=None) -> LlamaForCausalLM:
-    """The model with empty weights on `device`; its RoPE table covers max_model_len positions (None: all the
-    model's; a table for a million positions is 0.5 GB)."""
+    """The model with empty weights on `device` (its config checked first); its RoPE table covers max_model_len
+    positions (None: all the model runs, context_limit; a table for a million positions is 0.5 GB)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, quantized=quantized, dtype=dtype)
     model.to_empty(device=device)
-    max_positions = min(max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
+    max_positions = min(max_model_len or context_limit(hf_config), hf_config.max_position_embeddings)
     table = cos_sin_cache(hf_config, max_positions).to(device)
     for attn in model.attention_layers():
         attn.cos_sin_cache = table

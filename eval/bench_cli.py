@@ -128,16 +128,12 @@ def check_run_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and args.copy_bytes < MIN_COPY_BYTES:
         raise ValueError(f"--copy-bytes must be >= {MIN_COPY_BYTES} on a GPU (a smaller copy runs in its L2 and "
                          f"lowers every % of the roofline), got {args.copy_bytes}")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _log(msg):
@@ -471,11 +467,12 @@ RENDER = {
 }
 
 
-def render(out_dir, benches, extra=(), quiet=False):
-    """Print each benchmark's table and write <bench>.json and <bench>.png from all records so far."""
+def render(out_dir, benches, extra=(), quiet=False, records=None):
+    """Print each benchmark's table and write <bench>.json and <bench>.png from all records so far (`records`: as
+    `_records` reads them, when the caller has them already)."""
     from eightbit.eval.bench_common import write_json
 
-    records = _records(out_dir, extra)
+    records = _records(out_dir, extra) if records is None else records
     tables = {}
     for bench in benches:
         rows_fn, table_fn, plot_fn = RENDER[bench]
@@ -590,8 +587,9 @@ def summary(args) -> int:
     from eightbit.eval.bench_common import fmt, format_table, write_json
 
     os.makedirs(args.out, exist_ok=True)
-    check_one_workload(_records(args.out, args.inputs))
-    records, tables = render(args.out, ALL_BENCHES, args.inputs, quiet=True)  # rooflines: against_best_copy
+    records = _records(args.out, args.inputs)  # rooflines against the best copy bandwidth (against_best_copy)
+    check_one_workload(records)
+    records, tables = render(args.out, ALL_BENCHES, quiet=True, records=records)
     expected = [s for s in args.expect.split(",") if s]
     present = {r.get("system") for r in records}
     missing = [s for s in expected if s not in present]

@@ -147,7 +147,7 @@ def test_cli_rejects_a_copy_the_l2_would_hold_on_a_gpu(tmp_path, capsys, monkeyp
     from eightbit.cli import main
 
     monkeypatch.setattr(bench_cli, "run_system", lambda *a: pytest.fail("the run started"))
-    monkeypatch.setattr(bench_cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert main(["bench", "latency", "--model", "llama-tiny", "--out", str(tmp_path), "--copy-bytes",
                  str(1 << 20)]) == 2
     assert "--copy-bytes must be >= 268435456 on a GPU" in capsys.readouterr().err

@@ -8,8 +8,8 @@ import torch
 
 from eightbit.eval.configs import CONFIGS, EngineScorer, resolve_data_dir, score_from_prompt_logprobs
 from eightbit.eval.peers import score_logits
-from eightbit.eval.tasks import (Item, build_requests, encode_pair, evaluate_task, hellaswag_preprocess, load_task,
-                                 mean_stderr, multiple_choice_outcomes, paired_difference)
+from eightbit.eval.tasks import (TASK_FILES, Item, build_requests, encode_pair, evaluate_task, hellaswag_preprocess,
+                                 load_task, mean_stderr, multiple_choice_outcomes, paired_difference)
 
 
 def test_loaders_read_the_shared_files():
@@ -44,23 +44,22 @@ def test_loaders_read_the_shared_files():
     ("lambada", "lambada/lambada_test.jsonl", '{"text": "a b"}\n{"text": "word"}\n'),
 ])
 def test_a_malformed_data_file_is_named_in_the_error(tmp_path, task, path, text):
-    (tmp_path / path).parent.mkdir(parents=True)
-    (tmp_path / path).write_text(text)
-    with pytest.raises(ValueError, match=f"{tmp_path / path} is not {task} data as eightbit reads it"):
+    with pytest.raises(ValueError, match=f"{write_task_file(tmp_path, path, text)} is not {task} data as eightbit "
+                                         "reads it"):
         load_task(task, tmp_path)
 
 
-@pytest.mark.parametrize("task,path,text", [
-    ("lambada", "lambada/lambada_test.jsonl", ""),
-    ("arc_easy", "arc-easy/ARC-Easy-Test.jsonl", ""),
-    ("hellaswag", "hellaswag/hellaswag_val_full.txt", ""),
-])
-def test_a_task_file_without_items_is_an_error(tmp_path, task, path, text):
+@pytest.mark.parametrize("task", TASK_FILES)
+def test_a_task_file_without_items_is_an_error(tmp_path, task):
     """Every configuration loaded its model, then stopped with a ZeroDivisionError."""
-    (tmp_path / path).parent.mkdir(parents=True)
-    (tmp_path / path).write_text(text)
-    with pytest.raises(ValueError, match=f"{tmp_path / path} holds no {task} items"):
+    with pytest.raises(ValueError, match=f"{write_task_file(tmp_path, TASK_FILES[task], '')} holds no {task} items"):
         load_task(task, tmp_path)
+
+
+def write_task_file(data_dir, path, text):
+    (data_dir / path).parent.mkdir(parents=True)
+    (data_dir / path).write_text(text)
+    return data_dir / path
 
 
 def test_hellaswag_preprocess_as_lm_eval():
