@@ -2,10 +2,20 @@
 
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+# The repository root holds the source folders kernels/, eval/, engine/... that pyproject maps into `eightbit`;
+# `python -m pytest` puts the working directory, the root, on sys.path, where they shadow installed packages of
+# those names (transformers 5.25 imports the `kernels` package wherever it finds one, and fails on ours). The tests
+# import `eightbit` only, so the root comes off the path before anything imports transformers.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"  # and the tests' `python -c` subprocesses do not put it there (Python >= 3.11)
 
 
 def pytest_configure(config):
