@@ -5,6 +5,25 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
+
+def _adopt_checkout_folders():
+    """Imported from a source checkout (an editable install, or Python started in the checkout's root), the root's
+    folders engine/, kernels/, eval/... are this package's parts, as pyproject's package-dir maps them: the package's
+    path finds them there too, so `import eightbit` works in the root after a plain `pip install .`; and the root
+    comes off sys.path, where `kernels/` would shadow the installed package of that name (transformers 5.25 imports
+    `kernels` wherever it finds one, and fails on ours)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "kernels" / "int8_gemm.py").is_file():
+        __path__.append(str(checkout))
+        sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != checkout]
+
+
+_adopt_checkout_folders()
+
 from eightbit.engine.config import EngineConfig
 from eightbit.engine.llm import LLM
 from eightbit.engine.llm_engine import LLMEngine
