@@ -24,7 +24,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import sys
 import time
 import traceback
 
@@ -171,7 +170,6 @@ TABLES = {"prefill": "PREFILL", "prefill_long": "PREFILL_LONG", "decode": "DECOD
 
 def _warm_job(job):
     try:
-        sys.path.insert(0, os.getcwd())
         from eightbit.kernels import attention_configs as C
         from eightbit.kernels.decode_attention import decode_attention_splits
         from eightbit.kernels.prefill_attention import prefill_attention
