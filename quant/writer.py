@@ -105,6 +105,27 @@ def _sigterm_unwinds():
             signal.signal(s, handler)
 
 
+@contextmanager
+def _signals_deferred():
+    """SIGINT, SIGTERM and SIGHUP arriving while the block runs take effect when it ends: a handler of ours notes
+    them and they are raised again once the previous handlers are back. Main thread only (the only one that may set
+    handlers; Python runs them there whichever thread the signal reached); a signal whose handler Python did not
+    set is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    held = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is not None]
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in arrived:
+            signal.raise_signal(s)
+
+
 def _apply_umask(folder: Path) -> None:
     """mkdtemp makes 0700 and safetensors 0600: give the folder and its files the umask's modes."""
     umask = os.umask(0)
@@ -143,22 +164,30 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
                             ) from None
     try:
         if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            try:
-                os.rename(out, old / out.name)
-            except OSError:
-                old.rmdir()  # empty: nothing was moved into it
-                raise
-            try:
-                os.rename(tmp, out)
-            except OSError:
-                os.rename(old / out.name, out)  # put the old checkpoint back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
+            _replace(out, tmp)
         else:
             os.rename(tmp, out)
     except OSError as e:
         raise QuantizeError(f"cannot move the new checkpoint to {out}: {e}; it is in {tmp}") from None
+
+
+def _replace(out: Path, tmp: Path) -> None:
+    """Move out aside, tmp to out, then delete the old one; if tmp cannot move, the old one goes back. Signals wait
+    for the two renames: an interrupt between them would leave no checkpoint at out."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    swapped = False
+    try:
+        with _signals_deferred():
+            os.rename(out, old / out.name)
+            try:
+                os.rename(tmp, out)
+                swapped = True
+            except OSError:
+                os.rename(old / out.name, out)  # put the old checkpoint back
+                raise
+    finally:
+        if swapped or not (old / out.name).exists():  # never delete an old checkpoint that could not go back
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class ShardWriter:

@@ -285,6 +285,56 @@ def test_a_folder_that_appears_at_out_during_the_run_is_left_alone(tmp_path):
     assert (tmp / "config.json").exists() and str(tmp) in str(e.value)
 
 
+def test_an_interrupt_while_the_new_checkpoint_replaces_the_old_takes_effect_after_the_swap(tmp_path, monkeypatch):
+    """Ctrl-C that lands between moving the old checkpoint aside and moving the new one in used to leave no folder at
+    OUT (both hidden beside it); now the swap finishes, then KeyboardInterrupt is raised."""
+    from eightbit.quant import writer
+
+    out = tmp_path / "q"
+    out.mkdir()  # an empty folder may be replaced
+    rename = os.rename
+    renames = []
+
+    def interrupted_rename(a, b):
+        rename(a, b)
+        renames.append((a, b))
+        if len(renames) == 1:  # the old checkpoint is aside, the new one not yet in
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(writer.os, "rename", interrupted_rename)
+    with pytest.raises(KeyboardInterrupt):
+        with writer.atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text('{"new": 1}')
+    assert len(renames) == 2
+    assert json.loads((out / "config.json").read_text()) == {"new": 1}
+    assert leftovers(tmp_path, "q") == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_new_checkpoint_that_cannot_move_in_puts_the_old_one_back(tmp_path, monkeypatch):
+    from eightbit.quant import writer
+
+    out = tmp_path / "q"
+    out.mkdir()
+    inode = out.stat().st_ino
+    rename = os.rename
+    calls = []
+
+    def second_rename_fails(a, b):
+        calls.append((a, b))
+        if len(calls) == 2:
+            raise OSError(18, "Invalid cross-device link")
+        rename(a, b)
+
+    monkeypatch.setattr(writer.os, "rename", second_rename_fails)
+    with pytest.raises(QuantizeError, match="cannot move the new checkpoint to .*cross-device.*; it is in") as e:
+        with writer.atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text("{}")
+    assert out.stat().st_ino == inode  # the old folder is back at OUT
+    assert (tmp / "config.json").exists() and str(tmp) in str(e.value)
+    assert leftovers(tmp_path, "q") == [tmp.name]  # the new checkpoint, named in the error; no emptied .old- folder
+
+
 def test_a_symlinked_or_relative_out_is_written_where_it_points(tmp_path, monkeypatch):
     from eightbit.quant import writer
 
