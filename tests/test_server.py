@@ -250,6 +250,35 @@ def test_n_and_seed_reproducible(client):
     assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
 
 
+def test_any_64_bit_seed_is_taken(client):
+    """vLLM takes any int64 seed, and clients send -1; it is taken modulo 2**63."""
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=1.0)
+    negative, same = parallel(lambda: client.completions.create(seed=-1, **kw),
+                              lambda: client.completions.create(seed=2**63 - 1, **kw))
+    assert negative.choices[0].text == same.choices[0].text
+    for seed in (2**63, -2**63 - 1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(seed=seed, **kw)
+        assert e.value.body["param"] == "seed" and "64-bit" in e.value.body["message"]
+
+
+def test_chat_stream_chunks_carry_the_stop_reason(client, offline):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    stop = free.choices[0].message.content.split()[3]
+    kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=[stop])
+    whole = client.chat.completions.create(**kw)
+    last = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].finish_reason]
+    assert whole.choices[0].model_extra["stop_reason"] == stop
+    assert len(last) == 1 and last[0].choices[0].finish_reason == "stop"
+    assert last[0].choices[0].model_extra["stop_reason"] == stop
+
+
+def test_probes_answer_head(server):
+    assert httpx.head(server.url + "/health").status_code == 200
+    assert httpx.head(server.url + "/v1/models").status_code == 200
+
+
 def test_stop_strings_and_max_tokens(client, offline):
     prompt = PROMPTS[1]  # "1, 2, 3, 4," continues with numbers and commas
     full = offline.generate(prompt, greedy(16), use_tqdm=False)[0].outputs[0].text
@@ -371,7 +400,8 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
     before = metrics(server).get(key, 0)
     monkeypatch.setattr(api, "_check_limits", broken)
     resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
-    assert resp.status_code == 500 and resp.json()["error"]["type"] == "internal_error"
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"  # OpenAI's type for a 5xx
+    assert "a bug" not in resp.text  # the details are for the server's log, not the client
     assert metrics(server)[key] == before + 1
 
 
@@ -475,16 +505,42 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server, monk
         "a prompt that cannot fit was tokenized"))
     monkeypatch.setattr(tokenizers, "chat_prompt", lambda *a: pytest.fail("a prompt that cannot fit was tokenized"))
     huge = "hello world " * (limit // 12 + 1)
+    hi = [{"role": "user", "content": "hi"}]
     for path, body in (("/v1/completions", {"model": MODEL, "prompt": huge}),
                        ("/v1/chat/completions", {"model": MODEL, "messages": [
                            {"role": "system", "content": huge[: len(huge) // 2]},
-                           {"role": "user", "content": huge[len(huge) // 2:]}]})):
+                           {"role": "user", "content": huge[len(huge) // 2:]}]}),
+                       # every string the template renders counts, not only the contents (a 10 MB role was
+                       # tokenized for 22 s)
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user " + huge, "content": "hi"}]}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi",
+                                                                               "name": huge}]}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": hi, "chat_template_kwargs": {"x": huge}})):
         resp = post(server, path, body)
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
         assert "characters" in resp.json()["error"]["message"]
+        assert resp.json()["error"]["param"] == ("prompt" if path == "/v1/completions" else "messages")
     # at the limit the prompt is tokenized as before (and refused for its token count)
     resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "hello " * 2100})
     assert resp.status_code == 400 and "tokens" in resp.json()["error"]["message"]
+
+
+def test_a_list_of_prompts_is_refused_before_or_while_it_is_tokenized(server, monkeypatch):
+    """Too many prompts are refused before any is tokenized (20,000 took 5.5 s to refuse), and a list stops at its
+    first prompt too long to fit."""
+    tokenizers = server.app.state.server.tokenizers
+    encode, encoded = tokenizers.encode, []
+    monkeypatch.setattr(tokenizers, "encode", lambda text: encoded.append(text) or encode(text))
+    too_many = server.app.state.server.max_num_seqs + 1
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["hello"] * too_many, "max_tokens": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text  # n is 1: not "n"
+    assert "max_num_seqs" in resp.json()["error"]["message"] and encoded == []
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["hello"] * (too_many // 2 + 1), "n": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n" and encoded == []
+    long_prompt = "hello " * 2100  # > max_model_len tokens
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["hi", long_prompt, long_prompt, long_prompt]})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    assert encoded == ["hi", long_prompt]
 
 
 def test_a_prompt_of_long_tokens_that_fits_is_not_refused_for_its_characters(server, offline):

@@ -81,13 +81,13 @@ def test_serve_runs_the_engine_in_its_own_process_unless_told_not_to(flags, loop
 
     from eightbit.cli import main as cli_main
 
-    def serve(app, **kw):  # instead of serving: check the loop behind the app, and that it answers
-        loop = app.state.server.engine
+    def serve(server, sockets=None):  # instead of serving: check the loop behind the app, and that it answers
+        loop = server.config.app.state.server.engine
         assert type(loop) is loop_type and loop.alive
         seen.append(loop)
 
     seen = []
-    monkeypatch.setattr(uvicorn, "run", serve)
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
     assert cli_main(["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype",
                      "float32", "--kv-cache-memory-gb", "0.05", "--port", "0", *flags]) == 0
     assert len(seen) == 1 and not seen[0].alive  # stopped when uvicorn returned

@@ -5,6 +5,7 @@ keep-alive the server gives idle connections.
 
 import http.client
 import json
+import threading
 import time
 
 import httpx
@@ -109,8 +110,47 @@ def test_serve_passes_its_keep_alive_and_shutdown_bound_to_uvicorn(flags, want, 
     from eightbit.cli import main as cli_main
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: seen.update(
+        timeout_keep_alive=server.config.timeout_keep_alive,
+        timeout_graceful_shutdown=server.config.timeout_graceful_shutdown))
     argv = ["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
             "--port", "0", *flags]
     assert cli_main(argv) == 0
     assert (seen["timeout_keep_alive"], seen["timeout_graceful_shutdown"]) == want
+
+
+def test_a_shutdown_answers_the_requests_still_open_with_a_503():
+    """Past its graceful wait, uvicorn cancelled the open handlers: a non-streamed request got a plain-text 500 and
+    a stream was cut mid-body (the openai client raised a protocol error). Now they are answered before that."""
+    engine = LLMEngine(EngineConfig(**ENGINE_OPTIONS))
+    step = engine.step
+    engine.step = lambda *a, **k: (time.sleep(0.01), step(*a, **k))[1]  # 1,000 tokens take 10 s or more
+    srv = BackgroundServer(engine, timeout_graceful_shutdown=2).start()
+    body = {"model": model_id(srv), "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+    answers = {}
+
+    def plain():
+        answers["plain"] = post(srv, "/v1/completions", body)
+
+    def stream():
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+            answers["stream"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+    clients = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for c in clients:
+        c.start()
+    deadline = time.monotonic() + 30
+    while len(srv.app.state.server.open_generations) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # both have tokens
+    start = time.monotonic()
+    srv.stop()
+    for c in clients:
+        c.join(30)
+    assert time.monotonic() - start < 2 + 1  # within the graceful wait, not 10 s of generation
+    assert answers["plain"].status_code == 503, answers["plain"].text
+    assert answers["plain"].json()["error"]["code"] == "shutting_down"
+    lines = answers["stream"]
+    assert lines[-1] == "data: [DONE]" and len(lines) > 3  # some tokens, the error event, [DONE]
+    assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
+    assert not engine.requests  # their engine requests were aborted

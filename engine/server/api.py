@@ -145,6 +145,13 @@ class ServerState:
         self.metrics = Metrics(model_name)
         self.num_queued = 0  # submitted engine requests that have not produced a token yet
         self.created = P.now()
+        self.open_generations = set()  # started and not closed
+
+    def end_open_requests(self, error: APIError):
+        """Answer every open request with `error` (a stream: its SSE error event and [DONE]); their engine requests
+        are aborted as their handlers close them. For a shutdown that will not wait for them any longer."""
+        for gen in list(self.open_generations):
+            gen.queue.put_nowait((None, error))
 
 
 # --- one HTTP request's engine requests ---------------------------------------------------------
@@ -189,15 +196,13 @@ class Generation:
         self.delta = every_step
         if not state.engine.alive:
             raise APIError("the engine loop is not running", status=503, type="server_error", code="engine_dead")
-        if state.max_queue is not None and len(self.ids) > state.max_queue:
-            raise APIError(f"this request has {len(self.ids)} prompts and the server queues at most "
-                           f"{state.max_queue} (--max-queue): send fewer prompts per request", param="prompt")
         if state.max_queue is not None and state.num_queued + len(self.ids) > state.max_queue:
             state.metrics.count_overload()
-            raise APIError(f"the server is overloaded: {state.num_queued} requests are waiting "
+            raise APIError(f"the server is overloaded: {state.num_queued} prompts are waiting "
                            f"(--max-queue {state.max_queue}); retry later",
                            status=503, type="server_overloaded", code="overloaded", headers={"Retry-After": "1"})
         state.num_queued += len(self.ids)
+        state.open_generations.add(self)
         sink = Sink(asyncio.get_running_loop(), self.queue)
         for rid, prompt in zip(self.ids, self.prompts):
             state.engine.submit(rid, prompt, self.params, sink, every_step=every_step)
@@ -225,6 +230,7 @@ class Generation:
         if self.closed:
             return
         self.closed = True
+        self.state.open_generations.discard(self)
         for rid in self.unfinished:
             self.state.engine.abort(rid)
         for rid in list(self.queued):
@@ -239,11 +245,13 @@ class Generation:
                 rid, item = await self.queue.get()
                 if item is _DISCONNECT:
                     raise Disconnected()
+                if isinstance(item, APIError):
+                    raise item
                 if isinstance(item, Exception):
                     self.unfinished.discard(rid)
                     if isinstance(item, ValueError):
                         raise APIError(str(item))
-                    raise APIError(str(item), status=500, type="internal_error")
+                    raise APIError(str(item), status=500, type="server_error")
                 self._account(rid, item)
                 yield self.index[rid], item
         finally:
@@ -321,6 +329,8 @@ def _sampling_params(req, max_tokens, logprobs, max_tokens_field="max_tokens") -
     if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
         raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
                        f"got {len(stops)} (the longest {max(map(len, stops))})", param="stop")
+    if req.seed is not None and not -2**63 <= req.seed < 2**63:
+        raise APIError(f"seed must be a 64-bit integer, got {req.seed}", param="seed")
     try:
         return SamplingParams(
             n=req.n,
@@ -328,7 +338,7 @@ def _sampling_params(req, max_tokens, logprobs, max_tokens_field="max_tokens") -
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            seed=req.seed,
+            seed=None if req.seed is None else req.seed % 2**63,  # any int64, as vLLM takes (clients send -1)
             max_tokens=max_tokens,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
@@ -350,10 +360,15 @@ def _sampling_params(req, max_tokens, logprobs, max_tokens_field="max_tokens") -
 
 
 def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
-    """What the engine would refuse, refused here, so that it never fails a step shared with other requests."""
+    """What the engine would refuse, refused here, so that it never fails a step shared with other requests; before
+    the prompts are tokenized."""
     if params.n * num_prompts > state.max_num_seqs:
         raise APIError(f"n x prompts = {params.n * num_prompts} exceeds this server's max_num_seqs "
-                       f"({state.max_num_seqs}): the samples of a request run together", param="n")
+                       f"({state.max_num_seqs}): the samples of a request run together",
+                       param="n" if params.n > 1 else "prompt")
+    if state.max_queue is not None and num_prompts > state.max_queue:
+        raise APIError(f"this request has {num_prompts} prompts and the server queues at most "
+                       f"{state.max_queue} (--max-queue): send fewer prompts per request", param="prompt")
     try:
         params.check_vocabulary(state.vocab_size)  # the engine's own rule
     except ValueError as e:  # its messages start with the field name
@@ -397,13 +412,13 @@ def _check_template_kwargs(state: ServerState, kwargs: dict | None):
 
 
 def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int | None, min_tokens: int,
-                  max_tokens_param: str = "max_tokens"):
+                  max_tokens_param: str = "max_tokens", prompt_param: str = "prompt"):
     for ids in prompts:
         if not ids:
-            raise APIError("the prompt is empty", param="prompt")
+            raise APIError("the prompt is empty", param=prompt_param)
         if len(ids) >= state.max_model_len:
             raise APIError(f"this model's maximum context length is {state.max_model_len} tokens, but the prompt "
-                           f"has {len(ids)} tokens (no room left to generate)", param="prompt",
+                           f"has {len(ids)} tokens (no room left to generate)", param=prompt_param,
                            code="context_length_exceeded")
         if max_tokens is not None and len(ids) + max_tokens > state.max_model_len:
             raise APIError(f"this model's maximum context length is {state.max_model_len} tokens, but "
@@ -415,13 +430,19 @@ def _check_length(state: ServerState, prompts: list[list[int]], max_tokens: int 
                            code="context_length_exceeded")
 
 
-async def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+def _prompt_list(prompt) -> list:
+    """A completion request's prompts: one string or token-id list, or a list of them."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     if not prompt:
         raise APIError("prompt is empty", param="prompt")
+    return prompt
+
+
+async def _completion_prompts(state: ServerState, prompt: list, check) -> list[list[int]]:
+    """Each prompt as token ids, checked (`check(ids)`) as soon as it is: a long list stops at its first bad one."""
     out = []
     for p in prompt:
         if isinstance(p, str):
@@ -439,7 +460,14 @@ async def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
                 raise APIError(f"prompt token ids outside the vocabulary [0, {state.vocab_size}): {bad[:5]}",
                                param="prompt")
             out.append(list(p))
+        check(out[-1])
     return out
+
+
+def _template_chars(messages: list[dict], template_kwargs: dict | None) -> int:
+    """The characters the chat template gets: every message's role, content and name, and its variables."""
+    return (sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+            + len(json.dumps(template_kwargs or {}, ensure_ascii=False)))
 
 
 def _chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
@@ -595,11 +623,11 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
-        log.exception("unhandled error")
-        return JSONResponse(APIError(f"internal error: {e!r}", status=500, type="internal_error").body(),
+        log.exception("unhandled error")  # the details go to the log, not to the client
+        return JSONResponse(APIError("internal server error", status=500, type="server_error").body(),
                             status_code=500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not async_engine.alive:
             return Response(status_code=503)
@@ -613,7 +641,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
     def model_card():
         return P.ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return P.ModelList(data=[model_card()])
 
@@ -633,9 +661,10 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         _check_completion_needs_no_text(state, req)
         params = _sampling_params(req, req.max_tokens, req.logprobs)
-        prompts = await _completion_prompts(state, req.prompt)
+        prompts = _prompt_list(req.prompt)
         _check_limits(state, params, len(prompts))
-        _check_length(state, prompts, req.max_tokens, params.min_tokens)
+        prompts = await _completion_prompts(
+            state, prompts, lambda ids: _check_length(state, [ids], req.max_tokens, params.min_tokens))
         request_id = P.random_id("cmpl")
         gen = Generation(state, request_id, prompts, params, raw_request, arrival)
         gen.start(every_step=bool(req.stream))
@@ -683,15 +712,15 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         max_tokens = getattr(req, max_tokens_field)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(req, max_tokens, top_k, max_tokens_field)
+        _check_limits(state, params, 1)
         _check_template_kwargs(state, req.chat_template_kwargs)
-        _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+        _check_chars(state, _template_chars(messages, req.chat_template_kwargs), "messages")
         try:
             prompt = await state.tokenizers.run(state.tokenizers.chat_prompt, messages, req.add_generation_prompt,
                                                 req.chat_template_kwargs)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
-        _check_limits(state, params, 1)
-        _check_length(state, [prompt], max_tokens, params.min_tokens, max_tokens_field)
+        _check_length(state, [prompt], max_tokens, params.min_tokens, max_tokens_field, "messages")
         request_id = P.random_id("chatcmpl")
         gen = Generation(state, request_id, [prompt], params, raw_request, arrival)
         gen.start(every_step=bool(req.stream))
@@ -821,7 +850,7 @@ async def _stream_chat(state, gen: Generation, req, request_id, created, k):
                     completion_tokens += gen.num_tokens(gen.ids[0], c.index)
                 delta = P.DeltaMessage(content=c.delta) if c.delta else P.DeltaMessage()
                 yield chunk([P.ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
-                                               finish_reason=c.finish_reason)])
+                                               finish_reason=c.finish_reason, stop_reason=_stop_reason(c))])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=_usage(gen, completion_tokens))
     except Disconnected:

@@ -4,6 +4,7 @@ Wire it into eightbit/cli.py with `add_serve_parser(sub)` next to the other subc
 """
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import socket
@@ -22,6 +23,9 @@ KEEP_ALIVE_S = 60
 # for every open stream, which may run to the end of the context, and SIGTERM from systemd or Kubernetes hangs until
 # SIGKILL.
 GRACEFUL_SHUTDOWN_S = 5
+# The requests still open this long before that wait ends are answered with a 503 (a stream: its SSE error event and
+# [DONE]), so that clients get an error they can read rather than a connection cut mid-answer.
+SHUTDOWN_ANSWER_S = 0.5
 
 
 def add_serve_parser(subparsers):
@@ -128,8 +132,6 @@ def _at_least_one(text: str) -> int:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     from eightbit.engine.llm_engine import LLMEngine
     from eightbit.engine.server.engine_process import EngineProcess
 
@@ -139,12 +141,36 @@ def run_serve(args) -> int:
     engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_keep_alive=args.timeout_keep_alive,
-                    timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+        uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                       timeout_keep_alive=args.timeout_keep_alive,
+                       timeout_graceful_shutdown=args.timeout_graceful_shutdown).run()
     finally:
         async_engine.stop()
     return 0
+
+
+def uvicorn_server(app, **config):
+    """uvicorn's Server for our app, whose shutdown answers the requests still open near the end of its graceful
+    wait (SHUTDOWN_ANSWER_S) instead of cutting them off when the wait ends."""
+    import uvicorn
+
+    from eightbit.engine.server.protocol import APIError
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            timeout = self.config.timeout_graceful_shutdown
+            answer = asyncio.create_task(_answer_open_requests(max(timeout - SHUTDOWN_ANSWER_S, timeout / 2)))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                answer.cancel()
+
+    async def _answer_open_requests(after_s):
+        await asyncio.sleep(after_s)
+        app.state.server.end_open_requests(APIError("the server is shutting down", status=503, type="server_error",
+                                                    code="shutting_down"))
+
+    return Server(uvicorn.Config(app, **config))
 
 
 class BackgroundServer:
@@ -156,16 +182,14 @@ class BackgroundServer:
     """
 
     def __init__(self, engine, host="127.0.0.1", port=0, model_name=None, max_queue=None, tokenizer_workers=2,
-                 log_level="warning"):
-        import uvicorn
-
+                 log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S):
         self.async_engine, self.app = build_server(engine, model_name, max_queue, tokenizer_workers)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S,
-                                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        self.server = uvicorn_server(self.app, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S,
+                                     timeout_graceful_shutdown=timeout_graceful_shutdown)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="eightbit-uvicorn", daemon=True)
 
