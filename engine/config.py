@@ -7,6 +7,7 @@ import torch
 from eightbit.engine.sampling_params import fields_as_python_numbers, is_bool, is_finite_number, is_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATIONS = (None, "w8a8")
 LOAD_FORMATS = ("auto", "dummy")
@@ -34,8 +35,12 @@ class EngineConfig:
     seed: int = 0  # seeds the dummy weights and the sampling of requests that carry no seed of their own
 
     def __post_init__(self):
+        if isinstance(self.dtype, torch.dtype):  # torch.bfloat16 as well as "bfloat16", as vLLM takes it
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {list(DTYPES)} (or {list(DTYPE_ALIASES)}, or a torch dtype of "
+                             f"those), got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:

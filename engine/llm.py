@@ -130,9 +130,11 @@ class LLM:
                     request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, p, prio, final_only=final_only)
                 ids.append(request_id)
-        except Exception:
+        except Exception as e:
             for request_id in ids:  # all or nothing: a bad prompt cancels the whole call
                 self.engine.abort(request_id)
+            if len(prompts) > 1 and type(e) in (ValueError, TypeError):  # say which of them
+                raise type(e)(f"prompts[{len(ids)}]: {e}") from e
             raise
         return ids
 
@@ -140,8 +142,8 @@ class LLM:
     def _as_list(prompts):
         """One prompt (a str, a {"prompt" | "prompt_token_ids": ...} dict or a list of token ids) or a list of
         them -> the list. A list is one prompt of ids if every element is a number (Python, numpy or torch scalars;
-        a float among them is the engine's error to name); otherwise each element is a prompt, and the engine says
-        which one is malformed. A 1-D numpy array or torch tensor is one prompt of ids, a 2-D one a prompt per row."""
+        a float among them is the engine's error to name); otherwise each element is a prompt, and the error names
+        the malformed one (prompts[i]). A 1-D numpy array or torch tensor is one prompt of ids, a 2-D one a prompt per row."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and all(_is_number(t) for t in prompts)):
             return [prompts]  # one prompt of ids (a float among them: the engine says which)

@@ -50,12 +50,14 @@ class LaunchedStep:
     ready: object = None  # CUDA event: `host` is filled once it has passed
 
 
-def _freeze_startup_heap():
-    """Leave what exists after start-up (torch, transformers, the model: some 400k objects) out of every later
-    garbage collection. A full collection walks every tracked object, a quarter of a second on a small CPU, and
-    stalls every running request's next token; the collections a step triggers are short once they skip these.
+def freeze_startup_heap():
+    """Leave what exists now (torch, transformers, the model: some 400k objects) out of every later garbage
+    collection. A full collection walks every tracked object, a quarter of a second on a small CPU, and stalls
+    every running request's next token; the collections a step triggers are short once they skip these.
     What is unreachable is collected first, not frozen. A frozen object still goes when its last reference does,
-    so a dropped engine is freed (a test checks); only cycles formed later among start-up objects would stay."""
+    so a dropped engine is freed (a test checks); but an object in a reference cycle is never collected, which is
+    why only processes that are the engine's own call this (`eightbit serve`'s engine process and server, the
+    benchmarks), not `LLM` in a user's program, whose data in cycles would stay for good."""
     gc.collect()
     gc.freeze()
 
@@ -98,7 +100,6 @@ class LLMEngine:
         self._in_flight = None  # the LaunchedStep launched ahead by async scheduling
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.num_generated_tokens = 0
-        _freeze_startup_heap()
 
     # --- set-up -------------------------------------------------------------------------
 

@@ -141,7 +141,7 @@ class SamplingParams:
             bad("repetition_penalty", self.repetition_penalty, "in [0.01, 100]")  # further, float32 overflows
         if not is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            bad("min_tokens", self.min_tokens, "an int in [0, max_tokens]")
+            bad("min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
         bias = self.logit_bias
         if bias is not None and (not isinstance(bias, dict) or not all(
                 is_int(t) and t >= 0 and is_finite_number(b) and -100 <= b <= 100 for t, b in bias.items())):

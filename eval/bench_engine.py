@@ -58,16 +58,21 @@ class Deadline:
         return self.left() <= 0
 
 
-def build_llm(system, model, device=None, **engine_options):
-    """An LLM for `system` (a key of ENGINE_SYSTEMS) on dummy weights of `model`'s shape."""
+def build_llm(system, model, device=None, freeze=True, **engine_options):
+    """An LLM for `system` (a key of ENGINE_SYSTEMS) on dummy weights of `model`'s shape; its start-up heap frozen
+    out of later garbage collections unless freeze=False (llm_engine.freeze_startup_heap)."""
     from eightbit import LLM
+    from eightbit.engine.llm_engine import freeze_startup_heap
 
     if system not in ENGINE_SYSTEMS:
         raise ValueError(f"unknown eightbit system {system!r}; known: {sorted(ENGINE_SYSTEMS)}")
     options = dict(load_format="dummy", dtype="bfloat16", enable_prefix_caching=False)
     options.update(engine_options)
     options.update(ENGINE_SYSTEMS[system])
-    return LLM(model=model, device=device, **options)
+    llm = LLM(model=model, device=device, **options)
+    if freeze:
+        freeze_startup_heap()  # as `eightbit serve` does: a benchmark's process is the engine's
+    return llm
 
 
 def engine_info(llm) -> dict:

@@ -1,7 +1,7 @@
 """Do Python's garbage collections stall the engine's steps? Many requests through one engine, the collections and
-the slowest step, with the start-up heap frozen out of later collections (the engine as it is,
-`LLMEngine._freeze_startup_heap`) and without (the same engine with the freeze left out), each arm in a fresh
-process, since a freeze holds for the rest of its process.
+the slowest step, with the start-up heap frozen out of later collections (as `eightbit serve` runs the engine,
+`llm_engine.freeze_startup_heap`) and without (as `LLM` does in a user's program), each arm in a fresh process,
+since a freeze holds for the rest of its process.
 
 A full collection walks every object the collector tracks: after importing torch and transformers and loading a
 model, some 400k, a quarter of a second. It comes when enough objects have outlived two younger collections
@@ -25,14 +25,13 @@ ARMS = ("frozen", "not frozen")
 def run_arm(args) -> dict:
     """This process's arm: build the engine, push the requests through in rounds of --batch, record every
     collection's generation and duration, and each decode step's wall time."""
-    from eightbit.engine import llm_engine
     from eightbit.eval.bench_common import random_prompts
     from eightbit.eval.bench_engine import run_requests
     from eightbit.eval.bench_host import build_host_llm
 
+    llm = build_host_llm(args.model, args.device, args.batch, args.stub_model, freeze=args.arm != "not frozen")
     if args.arm == "not frozen":
-        llm_engine._freeze_startup_heap = gc.collect  # the collection before the freeze, not the freeze
-    llm = build_host_llm(args.model, args.device, args.batch, args.stub_model)
+        gc.collect()  # the collection before the freeze, not the freeze
     vocab = llm.engine.hf_config.vocab_size
     warm_up = min(args.batch, args.requests)  # the kernels' first compiles (the first arm's are on disk after)
     run_requests(llm.engine, random_prompts(warm_up, args.prompt_len, vocab, -1), [args.new_tokens] * warm_up)

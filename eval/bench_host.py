@@ -51,7 +51,7 @@ def stub_model(engine, seed=0):
     return fixed
 
 
-def build_host_llm(model, device=None, largest_batch=256, stub=False, system="eightbit-int8"):
+def build_host_llm(model, device=None, largest_batch=256, stub=False, system="eightbit-int8", freeze=True):
     """An LLM on dummy weights for the host-work benchmarks (this one and bench_gc): on `device` (default: cuda if
     available; the CPU in float32 with a 1 GB cache), room for `largest_batch` sequences, the model stubbed out
     (`stub_model`) if asked."""
@@ -59,7 +59,7 @@ def build_host_llm(model, device=None, largest_batch=256, stub=False, system="ei
     options = dict(max_num_seqs=max(256, largest_batch))  # the engine's default, or room for the largest batch
     if device == "cpu":
         options.update(dtype="float32", kv_cache_memory_gb=1.0)
-    llm = build_llm(system, model, device, **options)
+    llm = build_llm(system, model, device, freeze=freeze, **options)
     if stub:
         stub_model(llm.engine)
     return llm

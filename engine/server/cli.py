@@ -132,13 +132,14 @@ def _at_least_one(text: str) -> int:
 
 
 def run_serve(args) -> int:
-    from eightbit.engine.llm_engine import LLMEngine
+    from eightbit.engine.llm_engine import LLMEngine, freeze_startup_heap
     from eightbit.engine.server.engine_process import EngineProcess
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_address(args.host, args.port)  # before the model loads, not after
     config = EngineConfig(model=args.model, **serve_engine_options(args))
     engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
+    freeze_startup_heap()  # this process is the server's (the engine process freezes its own)
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
     try:
         uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -206,7 +206,7 @@ def _slim(out):
 
 
 def _engine_main(conn, config):
-    from eightbit.engine.llm_engine import LLMEngine
+    from eightbit.engine.llm_engine import LLMEngine, freeze_startup_heap
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server process stops us
     try:
@@ -214,6 +214,7 @@ def _engine_main(conn, config):
     except Exception as e:  # sent back to be raised by start(): the same error as building it in the server
         conn.send(("failed", e if _picklable(e) else RuntimeError(traceback.format_exc()), None))
         return
+    freeze_startup_heap()  # this process is the engine's
     core = _EngineCore(engine, conn)
     conn.send(("ready", core.info, core.stats))
     threading.Thread(target=_read_commands, args=(conn, core), name="eightbit-engine-commands", daemon=True).start()
