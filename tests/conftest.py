@@ -75,6 +75,7 @@ def make_llm():
         options.setdefault("device", "cpu")
         options.setdefault("kv_cache_memory_gb", 0.25)
         options.setdefault("max_model_len", 2048)
+        options.setdefault("async_scheduling", True)  # the engine's CUDA default, so its CPU tests cover that path
         return LLM(**options)
 
     return make

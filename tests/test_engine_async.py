@@ -76,3 +76,23 @@ def test_a_sequence_left_out_by_the_budget_is_not_starved(make_llm):
     (on, total_on), (off, total_off) = production_steps(True), production_steps(False)
     assert total_on == total_off
     assert max(b - a for a, b in zip(on, on[1:])) <= max(b - a for a, b in zip(off, off[1:])) == 2
+
+
+def test_async_scheduling_is_off_by_default_on_the_cpu(make_llm):
+    """On the CPU the launched-ahead step runs its whole forward before this step's tokens are handed back: nothing
+    overlaps, each output comes a forward late and a sequence that stops costs one forward more. So the default
+    there is off (on CUDA, on)."""
+    from eightbit import EngineConfig
+
+    assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cpu", async_scheduling=True).async_scheduling is True
+    for async_on, extra in ((None, 0), (True, 1)):
+        llm = make_llm(async_scheduling=async_on, max_num_seqs=1, enable_prefix_caching=False)
+        first = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        stop = first.outputs[0].token_ids[0]
+        before = llm.engine.num_computed_tokens
+        out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == [stop] and out.outputs[0].finish_reason == "stop"
+        computed = llm.engine.num_computed_tokens - before
+        assert computed == len(out.prompt_token_ids) + extra, (async_on, computed)
