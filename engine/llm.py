@@ -88,8 +88,8 @@ class LLM:
         try:
             while unfinished:
                 if not inbox:
-                    if not any(request_id in self.engine.requests for request_id in unfinished):
-                        raise RuntimeError(f"requests {sorted(unfinished)} were aborted outside this call")
+                    if not any(self.engine.is_unreported(request_id) for request_id in unfinished):
+                        raise RuntimeError(f"requests {sorted(unfinished)} ended outside this call, unreported")
                     for out in self.engine.step():
                         if out.request_id in self._inboxes:
                             self._inboxes[out.request_id].append(out)
@@ -102,7 +102,7 @@ class LLM:
             for request_id in ids:
                 self._inboxes.pop(request_id, None)
             for request_id in unfinished:
-                self.engine.abort(request_id)
+                self.engine.abort(request_id, report=False)
 
     def chat(self, messages, sampling_params=None, use_tqdm=True):
         """messages: one conversation (a list of {"role", "content"}) or a list of them."""
@@ -132,7 +132,7 @@ class LLM:
                 ids.append(request_id)
         except Exception as e:
             for request_id in ids:  # all or nothing: a bad prompt cancels the whole call
-                self.engine.abort(request_id)
+                self.engine.abort(request_id, report=False)
             if len(prompts) > 1 and type(e) in (ValueError, TypeError):  # say which of them
                 raise type(e)(f"prompts[{len(ids)}]: {e}") from e
             raise

@@ -98,6 +98,7 @@ class LLMEngine:
         self.generator = make_generator(config.seed, config.device)  # for requests without a seed of their own
         self.requests = {}  # request_id -> Request, until finished
         self._in_flight = None  # the LaunchedStep launched ahead by async scheduling
+        self._aborted = []  # final outputs of requests aborted with report=True, for the next step to return
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.num_generated_tokens = 0
 
@@ -248,8 +249,10 @@ class LLMEngine:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], params.stop,
                                                  params.skip_special_tokens, params.include_stop_str_in_output)
 
-    def abort(self, request_id):
-        """Stop a request now; its KV blocks go back to the pool at once. Unknown ids are ignored."""
+    def abort(self, request_id, report=True):
+        """Stop a request now; its KV blocks go back to the pool at once. Unknown ids are ignored. report: the next
+        step() returns its final output (finish_reason "abort" for the samples it stopped), as for any request
+        that ends; False for a caller that has stopped listening."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return
@@ -257,9 +260,15 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        if report:
+            self._aborted.append(self._output(request, {}))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._aborted)
+
+    def is_unreported(self, request_id) -> bool:
+        """Whether step() is still to return the request's final output."""
+        return request_id in self.requests or any(out.request_id == request_id for out in self._aborted)
 
     # --- the step -----------------------------------------------------------------------
 
@@ -272,17 +281,18 @@ class LLMEngine:
         the host detokenizes, checks stop conditions and builds outputs. A sequence that stops here
         (a stop token or string; length limits are known in advance) has its extra row dropped.
         """
+        aborted, self._aborted = self._aborted, []
         launched, self._in_flight = self._in_flight, None
         if launched is not None and all(s.is_finished for s in launched.seqs):
             launched = None  # every sequence of it stopped or was aborted after it was launched
         if launched is None:
             sched = self.scheduler.schedule()
             if not sched.scheduled:
-                return []
+                return aborted
             launched = self._launch(sched.scheduled, sched.copies)
         if self.config.async_scheduling:
             self._in_flight = self._launch_continuation(launched)
-        return self._complete_step(launched)
+        return aborted + self._complete_step(launched)
 
     def _launch(self, scheduled, copies, input_tokens=None) -> LaunchedStep:
         """Run the model, count the new tokens as computed, fork the n > 1 samples of prompts that just finished

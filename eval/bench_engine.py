@@ -128,7 +128,7 @@ def run_requests(engine, prompts, output_lens, deadline=None, final_only=False):
     while engine.has_unfinished_requests():
         if deadline.passed():
             for rid in unfinished:
-                engine.abort(rid)
+                engine.abort(rid, report=False)
             aborted = True
             break
         decode_only = all(r in first for r in unfinished)

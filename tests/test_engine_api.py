@@ -98,11 +98,28 @@ def test_overlapping_calls_each_get_all_their_outputs(llm):
     _assert_idle(llm.engine)
 
 
-def test_a_request_aborted_outside_its_call_ends_the_call(llm):
+def test_a_request_aborted_outside_its_call_ends_with_finish_reason_abort(llm):
+    """A consumer that aborts one prompt of a stream gets its last output (finish_reason "abort") and the others'
+    to their end; the stream used to fail with a RuntimeError once the others finished."""
+    stream = llm.stream(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=10))
+    last = {}
+    for i, out in stream:
+        if i == 0 and 0 not in last:
+            llm.engine.abort(out.request_id)  # at its first output
+        last[i] = out
+    assert last[0].finished and last[0].outputs[0].finish_reason == "abort"
+    assert 0 < len(last[0].outputs[0].token_ids) < 10  # what it had when it was aborted
+    assert [last[i].outputs[0].finish_reason for i in (1, 2)] == ["length", "length"]
+    outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    assert [o.outputs[0].text for o in outs[1:]] == [last[i].outputs[0].text for i in (1, 2)]
+    _assert_idle(llm.engine)
+
+
+def test_a_request_that_ends_unreported_ends_the_call(llm):
     stream = llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))
     next(stream)
-    llm.engine.abort(next(iter(llm.engine.requests)))
-    with pytest.raises(RuntimeError, match="were aborted outside this call"):
+    llm.engine.abort(next(iter(llm.engine.requests)), report=False)
+    with pytest.raises(RuntimeError, match="ended outside this call, unreported"):
         next(stream)
     _assert_idle(llm.engine)
 
@@ -467,7 +484,10 @@ def test_abort_frees_blocks_at_once(llm):
     engine.step()
     assert engine.block_manager.num_used_blocks > 0
     engine.abort("long")
-    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0 and engine.has_unfinished_requests()  # its final output
+    [out] = engine.step()
+    assert out.request_id == "long" and out.finished and out.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
 
 
 def test_max_num_seqs_holds_for_requests_with_several_samples(make_llm):

@@ -51,7 +51,8 @@ def test_abort_with_a_step_in_flight(engines):
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert {o.request_id for o in outs} == {"b"}
+    assert {o.request_id for o in outs} == {"a", "b"}
+    assert outs[0].request_id == "a" and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 50
     assert engine.block_manager.num_used_blocks == 0
 

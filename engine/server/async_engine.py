@@ -198,7 +198,7 @@ class AsyncEngine:
             self._sinks[request_id] = sink
         else:
             _, request_id = cmd
-            self.engine.abort(request_id)  # frees its KV blocks now
+            self.engine.abort(request_id, report=False)  # frees its KV blocks now
             self._sinks.pop(request_id, None)
 
     def _deliver(self, outputs):
@@ -217,7 +217,7 @@ class AsyncEngine:
     def _abort_unheard(self):
         # nobody listens: a non-streamed request would otherwise run on to its end before a delivery failed
         for rid in unheard(self._sinks):
-            self.engine.abort(rid)
+            self.engine.abort(rid, report=False)
             self._sinks.pop(rid, None)
 
     def _send(self, sink, items):
@@ -225,12 +225,12 @@ class AsyncEngine:
 
     def _send_all(self, deliveries):
         for request_id in hand_over(deliveries):
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, report=False)
             self._sinks.pop(request_id, None)
 
     def _fail_all(self, error):
         for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, report=False)
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             self._send(sink, [(request_id, error)])
