@@ -9,23 +9,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_in_root(code):
+def run_in_root(code) -> list[str]:
+    """The lines `code` prints, run by `python -c` in the checkout's root."""
     env = dict(os.environ)
     env.pop("PYTHONSAFEPATH", None)  # as a user's shell has it: `python -c` puts the working directory on sys.path
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
 
 
 def test_root_kernels_folder_does_not_shadow_the_installed_kernels_package():
     # transformers (5.25 on) imports the package named `kernels` wherever it finds one: in the root, ours came first
     # and `from transformers import LlamaForCausalLM` failed with an ImportError
-    done = run_in_root("import sys, eightbit\n"
-                       "from transformers import LlamaForCausalLM\n"
-                       "import eightbit.kernels\n"
-                       "print(getattr(sys.modules.get('kernels'), '__file__', None))\n"
-                       "print(eightbit.kernels.__file__)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    top_level_kernels, ours = done.stdout.split("\n")[-3:-1]
+    top_level_kernels, ours = run_in_root("import sys, eightbit\n"
+                                          "from transformers import LlamaForCausalLM\n"
+                                          "import eightbit.kernels\n"
+                                          "print(getattr(sys.modules.get('kernels'), '__file__', None))\n"
+                                          "print(eightbit.kernels.__file__)")[-2:]
     assert Path(ours) == ROOT / "kernels" / "__init__.py"
     assert not top_level_kernels.startswith(str(ROOT)), top_level_kernels
 
@@ -33,10 +34,9 @@ def test_root_kernels_folder_does_not_shadow_the_installed_kernels_package():
 def test_import_in_root_without_the_editable_finder():
     # after a plain `pip install .`, Python started in the root imports eightbit from the root's eightbit/ folder,
     # which holds only the front door: its parts are found in the root's folders all the same
-    done = run_in_root("import sys\n"
-                       "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in f.__module__]\n"
-                       "from eightbit import LLM, SamplingParams\n"
-                       "import eightbit.engine.models.llama, eightbit.kernels.int8_gemm, eightbit.quant\n"
-                       "print(eightbit.engine.models.llama.__file__)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert Path(done.stdout.split("\n")[-2]) == ROOT / "engine" / "models" / "llama.py"
+    printed = run_in_root("import sys\n"
+                          "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in f.__module__]\n"
+                          "from eightbit import LLM, SamplingParams\n"
+                          "import eightbit.engine.models.llama, eightbit.kernels.int8_gemm, eightbit.quant\n"
+                          "print(eightbit.engine.models.llama.__file__)")
+    assert Path(printed[-1]) == ROOT / "engine" / "models" / "llama.py"
