@@ -77,7 +77,9 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what the results record as their command, however the entry point was reached
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import sys
 import time
 import traceback
@@ -72,7 +73,7 @@ def _meta(args, extra) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         machine += f", {torch.cuda.get_device_name()}"
     return {
-        "command": "eightbit " + " ".join(sys.argv[1:]) if sys.argv and "eightbit" in sys.argv[0] else " ".join(sys.argv),
+        "command": shlex.join(["eightbit", *getattr(args, "argv", ())]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "device": device,

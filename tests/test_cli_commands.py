@@ -95,6 +95,9 @@ def test_eval_cli_tasks_end_to_end(tmp_path, capsys, hf_model, tokenizer):
     assert rc == 0
     payload = json.loads((tmp_path / "tasks.json").read_text())
     assert payload["meta"]["items"] == {"arc_easy": 2, "hellaswag": 2, "lambada": 2}
+    # the command that reproduces the run, whatever the entry point (here a call, where sys.argv is pytest's)
+    assert payload["meta"]["command"] == ("eightbit eval tasks --configs fp32 --limit 2 --device cpu "
+                                          f"--max-model-len 512 --kv-cache-memory-gb 0.25 --out {tmp_path} --no-progress")
     [row] = payload["rows"]
     assert row["config"] == "fp32" and row["backend"] == "engine" and "error" not in row
     assert "task_errors" not in row and set(row["tasks"]) == {"arc_easy", "hellaswag", "lambada"}
