@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     from eightbit.kernels import attention_configs as C
     from eightbit.kernels.kv_dequant import _dequant_blocks_kernel
-    from eightbit.kernels.kv_write import _rope_kv_write_kernel
+    from eightbit.kernels.kv_write import LAUNCH_OPTIONS as KV_WRITE_OPTIONS, _rope_kv_write_kernel
     from eightbit.kernels.prefill_attention import _prefill_kernel
     from eightbit.kernels.decode_attention import _decode_kernel, _decode_reduce_kernel
 
@@ -54,6 +54,7 @@ SCRIPT = textwrap.dedent(
         results.append(dict(name=name, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
                             ptx_has_mma=("mma" in ptx), cubin=len(k.asm["cubin"]),
                             byte_loads=ptx.count("ld.global.b8") + ptx.count("ld.shared.b8"),
+                            fma_f32=ptx.count("fma.rn.f32"),
                             pdl_wait=ptx.count("griddepcontrol.wait"),
                             pdl_trigger=ptx.count("griddepcontrol.launch_dependents")))
 
@@ -104,7 +105,7 @@ SCRIPT = textwrap.dedent(
                             "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", **cache_ptrs(kind), "slot_ptr": "*i64"}
                     consts = dict(HQ=32, HKV=8, HQ_PAD=32, HKV_PAD=8, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
                                   PAGE_SIZE=16, ROPE=rope, QUANT=kind == "int8", PDL=True)
-                    build(f"kv_write d{d} {kind} rope={rope}", _rope_kv_write_kernel, ptrs, {}, consts, dict(C.KV_WRITE))
+                    build(f"kv_write d{d} {kind} rope={rope}", _rope_kv_write_kernel, ptrs, {}, consts, dict(KV_WRITE_OPTIONS))
     print("RESULTS " + json.dumps(results))
     """
 )
@@ -129,6 +130,8 @@ def test_attention_kernels_compile_for_sm90(which):
             assert r["pdl_trigger"] >= 1 and r["pdl_wait"] >= 1, r
             # int8 tiles must move by vector copies: byte loads mean a lost contiguity hint or layout
             assert r["byte_loads"] == 0, f"{r['name']}: {r['byte_loads']} single-byte loads in the PTX"
+            # the rotation and the quantization round as the reference does, each product on its own
+            assert r["fma_f32"] == 0, f"{r['name']}: {r['fma_f32']} fused multiply-adds in the PTX"
 
 
 WS_SCRIPT = textwrap.dedent(
