@@ -7,12 +7,33 @@ EIGHTBIT_CHECK_METADATA=1 the metadata's values are range-checked too (metadata_
 Plain torch only: a CPU-only install imports this without triton.
 """
 
+import numbers
+
 import torch
 
 from eightbit.kernels import metadata_checks
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _tensors(name, **named):
+    """Each named argument is a tensor (a TypeError naming it, not an AttributeError from deep inside)."""
+    for what, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _floats(name, **named):
+    for what, x in named.items():
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name}: {what} must be a float tensor, got {x.dtype}")
+
+
+def softmax_scale(value, name):
+    """A real number (the kernels take it as a launch argument, never as a tensor that would need a host sync)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: softmax_scale must be a number, got {type(value).__name__}")
 
 
 def _same_device(tensors, dev, name):
@@ -30,7 +51,10 @@ def _index_vector(x, length, what, name):
 
 
 def rms_norm(x, weight, residual):
-    """weight [H] for x [..., H]; a residual exactly x's shape (no broadcasting), on x's device."""
+    """Float x [..., H] and weight [H]; a float residual exactly x's shape (no broadcasting), on x's device."""
+    extra = {} if residual is None else {"residual": residual}
+    _tensors("rms_norm", x=x, weight=weight, **extra)
+    _floats("rms_norm", x=x, weight=weight, **extra)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension, got a scalar")
     h = x.shape[-1]
@@ -42,7 +66,9 @@ def rms_norm(x, weight, residual):
 
 
 def silu_mul(gate_up):
-    """gate_up [..., 2I]: gate first, then up."""
+    """Float gate_up [..., 2I]: gate first, then up."""
+    _tensors("silu_mul", gate_up=gate_up)
+    _floats("silu_mul", gate_up=gate_up)
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got shape {tuple(gate_up.shape)}")
 
@@ -52,6 +78,7 @@ def silu_mul(gate_up):
 
 def int8_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
     """int8 x_q [M, K] and w_q [N, K], float32 scales of M and N elements, a float bias [N]. Returns (M, N, K)."""
+    _tensors("int8_gemm", x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, **({} if bias is None else {"bias": bias}))
     if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
         raise TypeError(f"x_q and w_q must be int8, got {x_q.dtype} and {w_q.dtype}")
     if x_q.dim() != 2 or w_q.dim() != 2:
@@ -98,6 +125,8 @@ def v_cache_layout(k_cache, v_cache):
 def cache(k_cache, v_cache, k_scale, v_scale, name):
     """k_cache [num_blocks, block_size, Hkv, D]; V to match; scales [num_blocks, block_size, Hkv, D // G] of one
     float dtype for an int8 cache, none for a float cache. Returns (quant, group size G)."""
+    scales = {k: x for k, x in (("k_scale", k_scale), ("v_scale", v_scale)) if x is not None}
+    _tensors(name, k_cache=k_cache, v_cache=v_cache, **scales)
     if k_cache.dim() != 4:
         raise ValueError(f"{name}: k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
     v_cache_layout(k_cache, v_cache)
@@ -123,7 +152,9 @@ def cache(k_cache, v_cache, k_scale, v_scale, name):
 
 
 def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-    """k and v [T, Hkv, D] to a cache of the same Hkv and D, slot_mapping [T]. Returns quant."""
+    """Float k and v [T, Hkv, D] to a cache of the same Hkv and D, slot_mapping [T]. Returns quant."""
+    _tensors("kv_write", k=k, v=v, slot_mapping=slot_mapping)
+    _floats("kv_write", k=k, v=v)
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"kv_write: k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     quant, _ = cache(k_cache, v_cache, k_scale, v_scale, "kv_write")
@@ -138,7 +169,9 @@ def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
 
 
 def rope(q, k, positions, cos_sin_cache):
-    """q [T, Hq, D] of k's dtype, positions [T], cos_sin_cache [max_pos, D] (cos | sin)."""
+    """q [T, Hq, D] of k's dtype, positions [T], a float cos_sin_cache [max_pos, D] (cos | sin)."""
+    _tensors("rope_kv_write", q=q, positions=positions, cos_sin_cache=cos_sin_cache)
+    _floats("rope_kv_write", cos_sin_cache=cos_sin_cache)
     t, _, d = k.shape
     if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d:
         raise ValueError(f"rope_kv_write: q must be [T={t}, Hq, D={d}], got {tuple(q.shape)}")
@@ -160,6 +193,7 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, nam
     """q [tokens, Hq, D] in a float dtype (float64 too: the reference is the GPU tests' float64 oracle) over a
     cache of the same D whose Hkv divides Hq; block_tables [B, width] and seq_lens [B] of int32/int64. Returns
     (quant, group size G)."""
+    _tensors(name, q=q, block_tables=block_tables, seq_lens=seq_lens)
     if q.dim() != 3:
         raise ValueError(f"{name}: q must be [tokens, Hq, D], got {tuple(q.shape)}")
     if not q.dtype.is_floating_point:
@@ -183,6 +217,7 @@ def attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, nam
 
 def prefill_queries(q, cu_seqlens_q, seq_lens):
     """cu_seqlens_q [B + 1] of int32/int64 on q's device."""
+    _tensors("prefill_attention", cu_seqlens_q=cu_seqlens_q)
     b = seq_lens.shape[0]
     _index_vector(cu_seqlens_q, b + 1, "cu_seqlens_q", "prefill_attention")
     _same_device((cu_seqlens_q,), q.device, "prefill_attention")

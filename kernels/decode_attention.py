@@ -242,6 +242,7 @@ def decode_attention_splits(q, k_cache, v_cache, k_scale, v_scale, block_tables,
     quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                                           "decode_attention")
     checks.decode_batch(q, block_tables)
+    checks.softmax_scale(softmax_scale, "decode_attention")
     bsz, hq, d = q.shape
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:

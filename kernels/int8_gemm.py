@@ -60,7 +60,8 @@ PREFETCH_LINES 128-byte lines of each of its weight rows, from the start of its 
 not what the kernel before writes, and a prefetch is only a hint anyway), so the first loads after the wait do
 not pay DRAM latency.
 
-Masks: rows past M and columns past N load wrapped-around (valid, distinct) rows and are
+Masks: in the dot kernel, rows past M and columns past N load wrapped-around (valid, distinct) rows; the
+gemv kernel repeats the last row and column instead (its few rows are separate pointers). Either way they are
 masked at the store; K tails are masked with zeros when K % BLOCK_K != 0.
 
 The "dot" kernel (tiles of up to 64 rows) and the "ws" kernel load a tile's x_scale and w_scale before

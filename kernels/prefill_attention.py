@@ -352,6 +352,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                                           "prefill_attention")
     checks.prefill_queries(q, cu_seqlens_q, seq_lens)
+    checks.softmax_scale(softmax_scale, "prefill_attention")
     if not cu_seqlens_q.is_contiguous():
         raise ValueError(f"prefill_attention: cu_seqlens_q must be a contiguous int32/int64 [B+1], got strides "
                          f"{cu_seqlens_q.stride()}")

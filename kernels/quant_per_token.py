@@ -1,6 +1,7 @@
 """Per-token (per-row) symmetric int8 quantization in Triton.
 
-Algorithm (the definition is quant/int8.py; this reproduces it bit for bit):
+Algorithm (the definition is quant/int8.py; this reproduces it bit for bit, except rows whose absmax is
+below 2^-100, which quant/int8.py rescales first):
 one program owns one row and holds the whole row in registers (BLOCK_K is the
 row length rounded up to a power of two, masked). In float32:
 

@@ -9,7 +9,8 @@ cast back to the input dtype at the end.
 The paged KV cache (one layer):
     k_cache           [num_blocks, block_size, num_kv_heads, head_dim]   model dtype or int8
     v_cache           the same for a float cache; int8: [num_blocks, num_kv_heads, head_dim, block_size]
-    k_scale, v_scale  [num_blocks, block_size, num_kv_heads, head_dim // G]  float16, int8 cache only
+    k_scale, v_scale  [num_blocks, block_size, num_kv_heads, head_dim // G]  int8 cache only; float16 in the
+                      engine (any float dtype is accepted; the Triton prefill rounds float32 ones to float16)
 A token's slot is block_id * block_size + offset; sequence b's tokens live in
 the blocks block_tables[b, 0], block_tables[b, 1], ... in order.
 
@@ -185,6 +186,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     """
     checks.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, "prefill_attention")
     checks.prefill_queries(q, cu_seqlens_q, seq_lens)
+    checks.softmax_scale(softmax_scale, "prefill_attention")
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
@@ -205,6 +207,7 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_le
     """
     checks.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, "decode_attention")
     checks.decode_batch(q, block_tables)
+    checks.softmax_scale(softmax_scale, "decode_attention")
     b, hq, d = q.shape
     if b == 0:
         return q.new_empty(q.shape)

@@ -99,6 +99,23 @@ BAD = [
     ("prefill_attention", lambda: prefill_args(cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32)),
      r"cu_seqlens_q must be an int32/int64 \[3\]"),
     ("prefill_attention", lambda: prefill_args(k_scale=None, v_scale=None), "needs k_scale and v_scale"),
+    # not tensors, or integers where the op computes in float: named, on both backends (the reference ran on
+    # integer inputs, and both failed with an AttributeError from inside on a None or a list)
+    ("rms_norm", lambda: dict(x=torch.ones(4, 16, dtype=torch.int32), weight=torch.ones(16), eps=1e-5),
+     "rms_norm: x must be a float tensor"),
+    ("rms_norm", lambda: dict(x=torch.randn(4, 16), weight=torch.ones(16), eps=1e-5,
+                              residual=torch.ones(4, 16, dtype=torch.int64)), "rms_norm: residual must be a float"),
+    ("rms_norm", lambda: dict(x=torch.randn(4, 16), weight=None, eps=1e-5), "weight must be a torch.Tensor, got None"),
+    ("silu_mul", lambda: dict(gate_up=torch.ones(2, 4, dtype=torch.int32)), "gate_up must be a float tensor"),
+    ("int8_gemm", lambda: gemm_args(x_scale=None), "int8_gemm: x_scale must be a torch.Tensor, got NoneType"),
+    ("int8_gemm", lambda: gemm_args(w_scale=0.5), "w_scale must be a torch.Tensor, got float"),
+    ("kv_write", lambda: kv_args(slot_mapping=[0, 1, 2]), "slot_mapping must be a torch.Tensor, got list"),
+    ("kv_write", lambda: kv_args(k=torch.ones(3, 2, 16, dtype=torch.int8), v=torch.ones(3, 2, 16, dtype=torch.int8)),
+     "kv_write: k must be a float tensor"),
+    ("rope_kv_write", lambda: rope_args(cos_sin_cache=torch.ones(10, 16, dtype=torch.int32)),
+     "cos_sin_cache must be a float tensor"),
+    ("decode_attention", lambda: decode_args(softmax_scale=None), "softmax_scale must be a number, got NoneType"),
+    ("prefill_attention", lambda: prefill_args(softmax_scale=torch.tensor(0.25)), "softmax_scale must be a number"),
 ]
 
 
