@@ -33,7 +33,8 @@ def add_eval_parser(subparsers):
                             "an editable install has)")
         q.add_argument("--sq-checkpoint", default=None,
                        help="SmoothQuant W8A8 checkpoint for the w8a8-sq configs; made with `eightbit quantize` "
-                            "if it does not exist (default: $EIGHTBIT_SQ_CHECKPOINT or ~/.cache/eightbit/eval/...)")
+                            "if it does not exist (default: $EIGHTBIT_SQ_CHECKPOINT, else eval/... in eightbit's cache folder: "
+                            "$EIGHTBIT_CACHE or ~/.cache/eightbit; with EIGHTBIT_CACHE=off a temporary folder)")
         q.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="engine KV-cache size (default: 2.0)")
         q.add_argument("--out", default=DEFAULT_OUT,
                        help=f"folder for the JSON, markdown table and PNG chart (default: ./{DEFAULT_OUT})")

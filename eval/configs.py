@@ -10,10 +10,13 @@ exactly the same token ids.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -327,8 +330,9 @@ def _check_sq_source(path: Path, model) -> None:
 
 
 def default_sq_checkpoint_dir(model=None) -> Path:
-    """$EIGHTBIT_SQ_CHECKPOINT, else a cache folder named after the model and a hash of its resolved path (two
-    models of the same file name do not share one)."""
+    """$EIGHTBIT_SQ_CHECKPOINT, else a folder in eightbit's cache (engine/gguf_cache.cache_root: $EIGHTBIT_CACHE,
+    $XDG_CACHE_HOME/eightbit or ~/.cache/eightbit) named after the model and a hash of its resolved path (two
+    models of the same file name do not share one); with EIGHTBIT_CACHE=off, a temporary folder removed at exit."""
     env = os.environ.get(ENV_SQ_CHECKPOINT)
     if env:
         return Path(env)
@@ -337,8 +341,13 @@ def default_sq_checkpoint_dir(model=None) -> Path:
     else:
         digest = hashlib.sha256(str(Path(str(model)).resolve()).encode()).hexdigest()[:12]
         tag = f"{Path(str(model)).name.replace('.', '_')}-{digest}"
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eightbit" / "eval"
-    return cache / f"{tag}-w8a8-smoothquant"
+    from eightbit.engine.gguf_cache import cache_root
+
+    root = cache_root()
+    if root is None:
+        root = Path(tempfile.mkdtemp(prefix="eightbit-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root / "eval" / f"{tag}-w8a8-smoothquant"
 
 
 def load_tokenizer(model=None):

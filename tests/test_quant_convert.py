@@ -463,6 +463,12 @@ def test_the_calibration_record_names_the_source_and_eval_checks_it(converted, s
     # the default cache folder tells two models of the same folder name apart
     assert default_sq_checkpoint_dir(src) != default_sq_checkpoint_dir(other)
     assert default_sq_checkpoint_dir(src).name.startswith(f"{src.name}-")
+    # in eightbit's cache folder, as the GGUF conversions; with the cache off, in a temporary folder
+    monkeypatch.setenv("EIGHTBIT_CACHE", str(tmp_path / "cache"))
+    assert default_sq_checkpoint_dir(src).parent == tmp_path / "cache" / "eval"
+    monkeypatch.setenv("EIGHTBIT_CACHE", "off")
+    temporary = default_sq_checkpoint_dir(src)
+    assert temporary.parent.parent.is_dir() and temporary.parent.parent.name.startswith("eightbit-")
 
 
 def test_an_empty_sq_checkpoint_folder_is_made_and_a_foreign_one_refused(tmp_path, monkeypatch):
