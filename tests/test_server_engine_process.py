@@ -93,6 +93,35 @@ def test_serve_runs_the_engine_in_its_own_process_unless_told_not_to(flags, loop
     assert len(seen) == 1 and not seen[0].alive  # stopped when uvicorn returned
 
 
+def test_serve_stops_its_engine_process_before_it_exits_on_sigterm(monkeypatch):
+    """uvicorn shuts down on SIGTERM, then raises it again under the handler it found when it started. With the
+    default handler the process ended right there and its engine process outlived it."""
+    import uvicorn
+
+    from eightbit.cli import main as cli_main
+
+    def serve(server, sockets=None):  # uvicorn's end after a SIGTERM, its own handlers restored
+        seen.append(server.config.app.state.server.engine)
+        signal.raise_signal(signal.SIGTERM)
+
+    def process_ends(signum, frame):  # stands in for the default handler, which would end pytest too
+        raise RuntimeError("the process ended here")
+
+    seen = []
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
+    before = signal.signal(signal.SIGTERM, process_ends)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli_main(["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype",
+                      "float32", "--kv-cache-memory-gb", "0.05", "--port", "0"])
+        assert signal.getsignal(signal.SIGTERM) is process_ends  # put back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert len(seen) == 1 and type(seen[0]) is EngineProcess and not seen[0].alive
+    assert not seen[0]._proc.is_alive()  # stopped and joined
+
+
 def test_messages_to_the_engine_process_never_interleave():
     """Handlers (submit, abort), the reader (aborts for closed event loops) and stop() all send on one pipe, and a
     large message goes out as several writes: no send may start while another is under way."""

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import signal
 import socket
 import threading
 import time
@@ -141,13 +142,23 @@ def run_serve(args) -> int:
     engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     freeze_startup_heap()  # this process is the server's (the engine process freezes its own)
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler it found: the default
+    # one ended the process there, before the engine process was stopped below, which then outlived us
+    main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     try:
         uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level,
                        timeout_keep_alive=args.timeout_keep_alive,
                        timeout_graceful_shutdown=args.timeout_graceful_shutdown).run()
     finally:
         async_engine.stop()
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # the shell's status for a process that SIGTERM ended
 
 
 def uvicorn_server(app, **config):
