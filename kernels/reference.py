@@ -81,12 +81,32 @@ def int8_gemm(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16):
 
 
 def _int8_matmul(a, b):
-    # torch._int_mm wants M > 16 on CUDA and K, N multiples of 8; on the CPU it takes any shape.
-    if a.device.type == "cpu":
-        # clone, not contiguous(): at K = 1, b.t() [1, N] counts as contiguous with strides (1, 1), which _int_mm
-        # misreads
-        return torch._int_mm(a.contiguous(), b.t().clone(memory_format=torch.contiguous_format))
+    """a [M, K] @ b [N, K]^T of int8, exact in int32."""
+    if a.device.type == "cpu" and _fp32_matmul_is_ieee():
+        return _int8_matmul_fp32(a, b)
     return (a.double() @ b.double().t()).to(torch.int32)  # exact: |sum| < 2^53
+
+
+K_CHUNK = 1024  # 1024 products of at most 128 * 128 = 2^14 sum to at most 2^24: integers float32 holds exactly
+
+
+def _int8_matmul_fp32(a, b):
+    """Float32 matmuls over K chunks of K_CHUNK, whose partial sums (in any order of accumulation) are integers
+    within 2^24, so exact; added in int32. On the CPU 2-8x faster than torch._int_mm (~0.5 ms a row at SmolLM2's
+    sizes) and float64."""
+    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.int32, device=a.device)
+    for k0 in range(0, a.shape[1], K_CHUNK):
+        out += F.linear(a[:, k0:k0 + K_CHUNK].float(), b[:, k0:k0 + K_CHUNK].float()).to(torch.int32)
+    return out
+
+
+def _fp32_matmul_is_ieee():
+    """Whether float32 matmuls on the CPU are plain float32 (set_float32_matmul_precision("medium" / "high") makes
+    oneDNN use bfloat16 / TF32, which would round the sums)."""
+    try:
+        return torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 # --- rotary embedding and the KV-cache write ---------------------------------------------

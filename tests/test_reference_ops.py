@@ -114,13 +114,29 @@ def test_quantization_of_rows_too_small_for_127_over_absmax():
     torch.testing.assert_close(scale, w.abs().amax(1, keepdim=True) / 127, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("m, n, k", [(3, 5, 1), (1, 4, 1), (2, 3, 2), (17, 8, 1)])
-def test_int8_matmul_is_exact_at_any_k(m, n, k):
-    """At K = 1, w.t() [1, N] counts as contiguous with strides (1, 1), which torch._int_mm misread."""
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+@pytest.mark.parametrize("m, n, k", [(3, 5, 1), (1, 4, 1), (2, 3, 2), (17, 8, 1), (1, 3, 0), (2, 5, 3000)])
+def test_int8_matmul_is_exact_at_any_k(m, n, k, precision):
+    """Against int64 arithmetic. K = 3000 with every value -128: sums of 2^14 * 3000, past float32's 2^24 (the
+    CPU path adds float32 chunks of 1024 in int32); with float32 matmuls in bfloat16 ("medium") the reference
+    must not use them."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
     b = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    assert torch.equal(R._int8_matmul(a, b), a.long().matmul(b.long().t()).int())
+    if k == 3000:
+        a[0], b[0] = -128, -128
+        b[1] = 127
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        assert R._fp32_matmul_is_ieee() == (precision == "highest")
+        got = R._int8_matmul(a, b)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    want = a.long().matmul(b.long().t())
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    if k == 3000:
+        assert want[0, 0] == 2**14 * 3000
 
 
 def test_rms_norm_and_int8_gemm_by_hand():
