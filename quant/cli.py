@@ -211,17 +211,17 @@ def run_quantize(args) -> int:
     """Run a parsed `quantize` command. Returns the exit status (0, or 2 on a QuantizeError)."""
     src, out = args.src, args.out
     if src is None:
-        print("error: missing OUT", file=sys.stderr)
+        print("eightbit quantize: error: missing OUT", file=sys.stderr)
         return 2
     if out is None:  # one path is always OUT, the embedded model quantized into it
         src, out = None, src
         if Path(out).exists() and not args.overwrite:
-            print(f"error: {out} already exists: pass --overwrite to replace it (one path is OUT, for the "
-                  f"embedded model; to quantize {out}, give SRC and OUT)", file=sys.stderr)
+            print(f"eightbit quantize: error: {out} already exists: pass --overwrite to replace it (one path is "
+                  f"OUT, for the embedded model; to quantize {out}, give SRC and OUT)", file=sys.stderr)
             return 2
         if Path(out).suffix.lower() in MODEL_FILE_SUFFIXES:  # a source not there yet, or mistyped
-            print(f"error: {out} is named like a model file, but one path is OUT (the embedded model is quantized "
-                  f"into it): to quantize {out}, give SRC and OUT", file=sys.stderr)
+            print(f"eightbit quantize: error: {out} is named like a model file, but one path is OUT (the embedded "
+                  f"model is quantized into it): to quantize {out}, give SRC and OUT", file=sys.stderr)
             return 2
         print(f"no SRC given: quantizing the embedded SmolLM2-135M-Instruct into {out}", flush=True)
     if args.no_progress:  # transformers' own bars too (its GGUF conversion has one)
@@ -235,7 +235,7 @@ def run_quantize(args) -> int:
             progress=not args.no_progress, device=args.device,
         )
     except QuantizeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"eightbit quantize: error: {e}", file=sys.stderr)
         return 2
     _report(out, summary)
     return 0

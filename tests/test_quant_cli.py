@@ -39,6 +39,7 @@ def test_one_path_is_always_out_for_the_embedded_model(monkeypatch, tmp_path, ca
     assert cli.run_quantize(parse([str(tmp_path)])) == 2  # exists: still OUT, and --overwrite is needed
     err = capsys.readouterr().err
     assert "already exists" in err and "--overwrite" in err and "give SRC and OUT" in err
+    assert err.startswith("eightbit quantize: error: ")  # as every other command says it
     assert len(seen) == 1
     assert cli.run_quantize(parse([str(tmp_path), "--overwrite"])) == 0  # a rerun of `eightbit quantize OUT`
     assert seen[-1] == (None, str(tmp_path), True)
