@@ -102,7 +102,7 @@ class SamplingParams:
         if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", self.min_p, "in [0, 1]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", self.max_tokens, "None or an int >= 1")
+            bad("max_tokens", self.max_tokens, "an int >= 1 (or unset: up to max_model_len)")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad("seed", self.seed, "None or an int in [0, 2**63)")
 

@@ -310,7 +310,7 @@ def test_a_sampling_params_changed_after_construction_is_checked_again(llm):
     the context (0 read as None), a stop_token_ids of None failed inside a step that other requests share."""
     zero = SamplingParams(temperature=0)
     zero.max_tokens = 0
-    with pytest.raises(ValueError, match="max_tokens must be None or an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1 \(or unset: up to max_model_len\), got 0"):
         llm.generate(["Hi"], zero, use_tqdm=False)
     none_ids = SamplingParams(temperature=0, max_tokens=2)
     none_ids.stop_token_ids = None  # normalized again, as on construction
