@@ -448,7 +448,8 @@ class LLMEngine:
                 logprobs=s.logprobs[first:] if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-                delta=deltas.get(s, ""),
+                # a final-only request's outputs skip steps: its delta is then all the text so far
+                delta=s.detokenizer.text if request.final_only else deltas.get(s, ""),
             ))
         finished = request.is_finished
         if finished:

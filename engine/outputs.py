@@ -12,7 +12,7 @@ class CompletionOutput:
     logprobs: list | None = None  # per token of token_ids {token_id: logprob}, when asked for
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: object = None  # the stop string or stop token id, if one ended it
-    delta: str = ""  # text released by the step that produced this output
+    delta: str = ""  # text released by the step that produced this output (a final-only request: all its text)
 
 
 @dataclass

@@ -44,6 +44,7 @@ def test_stream_deltas_join_to_the_final_text_and_stop_strings_are_cut(llm):
     final = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
     deltas = [out.outputs[0].delta for _, out in llm.stream(PROMPTS[0], params)]
     assert "".join(deltas) == final.text
+    assert final.delta == final.text  # generate's requests are final-only: one output, all of its text new
     assert final.text == llm.get_tokenizer().decode(final.token_ids, skip_special_tokens=True)
     words = final.text.split()
     stop = words[len(words) // 2]
