@@ -46,11 +46,15 @@ def ppl_table(rows) -> str:
             lines.append(f"| {r['config']} | {r['backend']} | {r['error']} | | | | | | | |")
             continue
         lines.append(
-            f"| {r['config']} | {r['backend']} | {r['ppl']:.4f} | {_fmt_pct(deltas[r['config']])} | {r['baseline']} "
+            f"| {r['config']} | {r['backend']} | {r['ppl']:.4f} | {_delta_cell(r, deltas)} | {r['baseline']} "
             f"| {_fmt_bytes(r.get('weight_bytes'))} | {r.get('kv_bytes_per_token', 0):,.0f} | {r['windows']} "
             f"| {r['scored_tokens']:,} | {r.get('seconds', 0):.0f} |"
         )
     return "\n".join(lines)
+
+
+def _delta_cell(row, deltas) -> str:
+    return "—" if row["config"] == row.get("baseline") else _fmt_pct(deltas[row["config"]])  # a baseline row: no Δ
 
 
 def task_deltas(rows, task, metric) -> dict:
@@ -134,7 +138,8 @@ def ppl_chart(rows, path, title="WikiText-2 perplexity") -> Path | None:
     colors = ["tab:blue" if r["backend"] == "engine" else "tab:gray" for r in good]
     ax.barh(names, values, color=colors)
     for i, (n, v, r) in enumerate(zip(names, values, good)):
-        delta = "no baseline" if deltas[n] is None else f"{v:+.2f}%"  # as the table's "—", not a +0.00 % bar
+        delta = ("baseline" if r.get("baseline") == n else "no baseline" if deltas[n] is None
+                 else f"{v:+.2f}%")  # as the table's "—", not a +0.00 % bar
         ax.text(v, i, f" {delta} (ppl {r['ppl']:.3f})", va="center", fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.invert_yaxis()

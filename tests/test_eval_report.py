@@ -28,6 +28,7 @@ def test_ppl_table_deltas_and_errors():
     assert deltas["bnb-int8"] is None
     table = report.ppl_table(PPL_ROWS)
     assert "| kv8-g32 | engine | 10.0200 | +0.20% | bf16 |" in table
+    assert "| bf16 | engine | 10.0000 | — | bf16 |" in table  # the baseline itself: no Δ, as docs/evals.md shows
     assert "not runnable here: no CUDA" in table
     assert table.count("\n") == len(PPL_ROWS) + 1
 
