@@ -61,8 +61,8 @@ def quantize(
         raise QuantizeError("no output directory given")
     out = Path(out)
     alpha = _parse_alpha(alpha)
+    check_output_path(out, overwrite)  # first: no file read (_check_sizes reads a GGUF's config: ~3 s for SmolLM2)
     seq_len = _check_sizes(src, num_samples, seq_len, kv_group_size)
-    check_output_path(out, overwrite)
     check_convert_options(**convert_options)
     leftovers = leftover_temp_dirs(out)
     if leftovers:
