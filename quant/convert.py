@@ -138,7 +138,8 @@ def convert(
             del stats, layer
             hidden = hidden_next
             records.append(record)
-            bar.set_postfix({p: ("-" if r["alpha"] is None else r["alpha"]) for p, r in record.items()})
+            # each smoothing point's alpha ("none": leaving it unsmoothed measured best)
+            bar.set_postfix({p: ("none" if r["alpha"] is None else r["alpha"]) for p, r in record.items()})
         del hidden
 
         _add_tail(writer, checkpoint, tied)
