@@ -480,6 +480,19 @@ def test_bad_input_openai_error(server, path, body, status, param):
     assert err["message"] and err["param"] == param
 
 
+def test_a_body_that_is_not_json_gets_told_so(server):
+    """curl -d without -H 'Content-Type: application/json' sends a form: FastAPI then said "body: Input should be a
+    valid dictionary or object to extract fields from"."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1})
+    resp = httpx.post(server.url + "/v1/completions", content=body,
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == ("the body must be a JSON object, sent with Content-Type: "
+                                               "application/json")
+    resp = post(server, "/v1/completions", [1, 2])  # JSON, but not an object: pydantic's own words
+    assert resp.status_code == 400 and "valid dictionary" in resp.json()["error"]["message"]
+
+
 def test_prompt_longer_than_context(server, client):
     long_prompt = "hello " * 2100
     resp = post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 4})

@@ -608,6 +608,9 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
             param = None
+        elif not loc and "json" not in request.headers.get("content-type", ""):
+            # FastAPI reads a body of another content type as a string: "Input should be a valid dictionary"
+            message, param = "the body must be a JSON object, sent with Content-Type: application/json", None
         else:
             param = ".".join(x for x in loc if not _is_type_tag(x)) or None
             message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
