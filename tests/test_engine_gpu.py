@@ -159,7 +159,11 @@ def test_gpu_engine_decode_gluon_matches_triton(monkeypatch):
         if diverged:
             j = diverged[0]
             assert g.token_ids[j] in t.logprobs[j] and t.token_ids[j] in g.logprobs[j], (i, j)
-    assert len(step1) >= 24 and sorted(step1)[len(step1) // 2] < 0.03 and max(step1) < 0.1, step1
+    # the logits are bf16: at these magnitudes (2-4) the differences come in steps of 1/64, so a median bound
+    # between two steps (0.03, the H100's observed median 0.016 plus room) passed or failed on a rounding of one
+    # sequence; two steps for the median, six for the largest
+    ulp = 1 / 64
+    assert len(step1) >= 24 and sorted(step1)[len(step1) // 2] <= 2 * ulp + 1e-3 and max(step1) < 0.1, step1
 
 
 def test_gpu_metadata_checks_leave_graph_capture_alone(monkeypatch):

@@ -919,8 +919,9 @@ def test_pdl_chain_in_graph_matches_without_pdl(m):
     h, inter, layers = 2048, 4096, 4
     x = torch.randn(m, h, generator=g).cuda().bfloat16()
     norm_w = torch.rand(h, generator=g).cuda().bfloat16() + 0.5
-    up = [(_int8((2 * inter, h), g, "cuda"), torch.rand(2 * inter, 1, device="cuda") * 2e-3) for _ in range(layers)]
-    down = [(_int8((h, inter), g, "cuda"), torch.rand(h, 1, device="cuda") * 2e-3) for _ in range(layers)]
+    # every input from g: the global generator's state depends on which tests ran before in this process
+    up = [(_int8((2 * inter, h), g, "cuda"), torch.rand(2 * inter, 1, generator=g).cuda() * 2e-3) for _ in range(layers)]
+    down = [(_int8((h, inter), g, "cuda"), torch.rand(h, 1, generator=g).cuda() * 2e-3) for _ in range(layers)]
 
     def chain(ops):
         y = x
