@@ -78,7 +78,8 @@ def silu_mul(gate_up):
 
 def int8_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
     """int8 x_q [M, K] and w_q [N, K], float32 scales of M and N elements, a float bias [N]. Returns (M, N, K)."""
-    _tensors("int8_gemm", x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, **({} if bias is None else {"bias": bias}))
+    extra = {} if bias is None else {"bias": bias}
+    _tensors("int8_gemm", x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, **extra)
     if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
         raise TypeError(f"x_q and w_q must be int8, got {x_q.dtype} and {w_q.dtype}")
     if x_q.dim() != 2 or w_q.dim() != 2:

@@ -920,8 +920,11 @@ def test_pdl_chain_in_graph_matches_without_pdl(m):
     x = torch.randn(m, h, generator=g).cuda().bfloat16()
     norm_w = torch.rand(h, generator=g).cuda().bfloat16() + 0.5
     # every input from g: the global generator's state depends on which tests ran before in this process
-    up = [(_int8((2 * inter, h), g, "cuda"), torch.rand(2 * inter, 1, generator=g).cuda() * 2e-3) for _ in range(layers)]
-    down = [(_int8((h, inter), g, "cuda"), torch.rand(h, 1, generator=g).cuda() * 2e-3) for _ in range(layers)]
+    def weights(n, k):
+        return _int8((n, k), g, "cuda"), torch.rand(n, 1, generator=g).cuda() * 2e-3
+
+    up = [weights(2 * inter, h) for _ in range(layers)]
+    down = [weights(h, inter) for _ in range(layers)]
 
     def chain(ops):
         y = x
