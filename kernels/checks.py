@@ -25,6 +25,8 @@ def _tensors(name, **named):
 
 
 def _floats(name, **named):
+    """Each named argument is a float tensor."""
+    _tensors(name, **named)
     for what, x in named.items():
         if not x.dtype.is_floating_point:
             raise TypeError(f"{name}: {what} must be a float tensor, got {x.dtype}")
@@ -53,7 +55,6 @@ def _index_vector(x, length, what, name):
 def rms_norm(x, weight, residual):
     """Float x [..., H] and weight [H]; a float residual exactly x's shape (no broadcasting), on x's device."""
     extra = {} if residual is None else {"residual": residual}
-    _tensors("rms_norm", x=x, weight=weight, **extra)
     _floats("rms_norm", x=x, weight=weight, **extra)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension, got a scalar")
@@ -67,7 +68,6 @@ def rms_norm(x, weight, residual):
 
 def silu_mul(gate_up):
     """Float gate_up [..., 2I]: gate first, then up."""
-    _tensors("silu_mul", gate_up=gate_up)
     _floats("silu_mul", gate_up=gate_up)
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got shape {tuple(gate_up.shape)}")
@@ -154,8 +154,8 @@ def cache(k_cache, v_cache, k_scale, v_scale, name):
 
 def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
     """Float k and v [T, Hkv, D] to a cache of the same Hkv and D, slot_mapping [T]. Returns quant."""
-    _tensors("kv_write", k=k, v=v, slot_mapping=slot_mapping)
     _floats("kv_write", k=k, v=v)
+    _tensors("kv_write", slot_mapping=slot_mapping)
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"kv_write: k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     quant, _ = cache(k_cache, v_cache, k_scale, v_scale, "kv_write")
@@ -171,7 +171,7 @@ def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
 
 def rope(q, k, positions, cos_sin_cache):
     """q [T, Hq, D] of k's dtype, positions [T], a float cos_sin_cache [max_pos, D] (cos | sin)."""
-    _tensors("rope_kv_write", q=q, positions=positions, cos_sin_cache=cos_sin_cache)
+    _tensors("rope_kv_write", q=q, positions=positions)
     _floats("rope_kv_write", cos_sin_cache=cos_sin_cache)
     t, _, d = k.shape
     if q.dim() != 3 or q.shape[0] != t or q.shape[2] != d:

@@ -209,36 +209,38 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_quantize(args) -> int:
     """Run a parsed `quantize` command. Returns the exit status (0, or 2 on a QuantizeError)."""
-    src, out = args.src, args.out
-    if src is None:
-        print("eightbit quantize: error: missing OUT", file=sys.stderr)
-        return 2
-    if out is None:  # one path is always OUT, the embedded model quantized into it
-        src, out = None, src
-        if Path(out).exists() and not args.overwrite:
-            print(f"eightbit quantize: error: {out} already exists: pass --overwrite to replace it (one path is "
-                  f"OUT, for the embedded model; to quantize {out}, give SRC and OUT)", file=sys.stderr)
-            return 2
-        if Path(out).suffix.lower() in MODEL_FILE_SUFFIXES:  # a source not there yet, or mistyped
-            print(f"eightbit quantize: error: {out} is named like a model file, but one path is OUT (the embedded "
-                  f"model is quantized into it): to quantize {out}, give SRC and OUT", file=sys.stderr)
-            return 2
-        print(f"no SRC given: quantizing the embedded SmolLM2-135M-Instruct into {out}", flush=True)
-    if args.no_progress:  # transformers' own bars too (its GGUF conversion has one)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     try:
-        summary = quantize(
-            src, out, calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
-            alpha=args.alpha, kv_group_size=args.kv_group_size, overwrite=args.overwrite,
-            progress=not args.no_progress, device=args.device,
-        )
+        out, summary = _quantize_args(args)
     except QuantizeError as e:
         print(f"eightbit quantize: error: {e}", file=sys.stderr)
         return 2
     _report(out, summary)
     return 0
+
+
+def _quantize_args(args):
+    """quantize() with the command's arguments: (OUT, summary)."""
+    src, out = args.src, args.out
+    if src is None:
+        raise QuantizeError("missing OUT")
+    if out is None:  # one path is always OUT, the embedded model quantized into it
+        src, out = None, src
+        if Path(out).exists() and not args.overwrite:
+            raise QuantizeError(f"{out} already exists: pass --overwrite to replace it (one path is OUT, for the "
+                                f"embedded model; to quantize {out}, give SRC and OUT)")
+        if Path(out).suffix.lower() in MODEL_FILE_SUFFIXES:  # a source not there yet, or mistyped
+            raise QuantizeError(f"{out} is named like a model file, but one path is OUT (the embedded model is "
+                                f"quantized into it): to quantize {out}, give SRC and OUT")
+        print(f"no SRC given: quantizing the embedded SmolLM2-135M-Instruct into {out}", flush=True)
+    if args.no_progress:  # transformers' own bars too (its GGUF conversion has one)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    return out, quantize(
+        src, out, calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
+        alpha=args.alpha, kv_group_size=args.kv_group_size, overwrite=args.overwrite,
+        progress=not args.no_progress, device=args.device,
+    )
 
 
 def _report(out, summary) -> None:
