@@ -41,7 +41,7 @@ from . import attention_configs, checks
 from .attention_configs import REDUCE_CHUNK, REDUCE_CHUNKS, decode_config, decode_num_splits
 from .launch import FastLauncher, sm_count
 from .scratch import zeroed_scratch
-from .prefill_attention import LOG2E, check_attention_inputs, compiled, i8_to, per_step
+from .prefill_attention import LOG2E, check_attention_inputs, compiled, float_dot, i8_to, per_step
 
 
 @triton.jit
@@ -137,10 +137,10 @@ def _decode_kernel(
             s_ptrs = scale_off[None, :] + gi[:, None]  # [NG, BLOCK_N]
             sk = tl.load(k_scale_ptr + s_ptrs, mask=in_range[None, :], other=0.0).to(tl.float32) * qk_scale
             sv = tl.load(v_scale_ptr + s_ptrs, mask=in_range[None, :], other=0.0).to(tl.float32)
-            part = tl.dot(q, tl.trans(i8_to(k_raw, q.dtype, COMPILED)))  # [ROWS, BLOCK_N]
+            part = float_dot(q, tl.trans(i8_to(k_raw, q.dtype, COMPILED)), None)  # [ROWS, BLOCK_N]
             qk = tl.sum(tl.reshape(part, (QPK_PAD, NG, BLOCK_N)) * sk[None, :, :], 1)
         else:
-            qk = tl.dot(q, tl.trans(k_raw.to(q.dtype))) * qk_scale
+            qk = float_dot(q, tl.trans(k_raw.to(q.dtype)), None) * qk_scale
         qk = tl.where(in_range[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -151,10 +151,10 @@ def _decode_kernel(
             p_x = tl.reshape(p[:, None, :] * sv[None, :, :], (ROWS, BLOCK_N))
             alpha_x = tl.reshape(tl.broadcast_to(alpha[:, None], (QPK_PAD, NG)), (ROWS,))
             acc = acc * alpha_x[:, None]
-            acc = tl.dot(p_x.to(q.dtype), i8_to(v_raw, q.dtype, COMPILED), acc)
+            acc = float_dot(p_x.to(q.dtype), i8_to(v_raw, q.dtype, COMPILED), acc)
         else:
             acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(q.dtype), v_raw.to(q.dtype), acc)
+            acc = float_dot(p.to(q.dtype), v_raw.to(q.dtype), acc)
 
     if QUANT:  # row (r, g) of acc is valid at group g's columns only
         own = (ri % NG)[:, None] == (cols[None, :] // GROUP)

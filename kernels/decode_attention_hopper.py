@@ -684,8 +684,9 @@ def ws_ok(q, k_cache, v_cache, k_scale, v_scale, block_tables, group):
     """For compiled CUDA tensors over an int8 cache that decode_attention has checked: sm_90, pages of 16 keys
     (the engine's; V's TMA rows are one page of bytes, at least 16; other sizes are untested on a GPU),
     contiguous caches and float16 scales (the kernel's scale buffers are float16) with 16-byte aligned bases,
-    int32 block tables (TMA coordinates are 32-bit), and NG * QPK_PAD == 16 (one mma row block)."""
-    if not is_sm90(q.device):
+    int32 block tables (TMA coordinates are 32-bit), NG * QPK_PAD == 16 (one mma row block), and a 16-bit q (the
+    kernel's dots take q as float16; a float32 q goes to the Triton kernel, which keeps it float32)."""
+    if not is_sm90(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     _, page, hkv, d = k_cache.shape
     ng = d // group

@@ -75,6 +75,16 @@ def i8_to(x, DTYPE: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
+def float_dot(a, b, acc):
+    """tl.dot at its inputs' own precision. Triton runs float32 inputs as TF32 by default (10-bit
+    mantissas, ~1e-3 relative error), which a float32 model does not expect; 16-bit inputs are unaffected."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def dot_operand(q, qk_scale, QUANT: tl.constexpr):
     """The Q tile as the dots over the cache take it, and qk_scale to match. Over an int8 cache a
     16-bit q becomes float16 (int8 -> fp16 is the cheap conversion, and exact), divided by a power
@@ -183,7 +193,7 @@ def _attend_tile(
     scale_off = blk * stride_sb + page_off * stride_sp + scale_head_off
     k = _load_kv_tile(k_cache_ptr, k_scale_ptr, slot_off, scale_off, cols, in_seq,
                       HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, COMPILED)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = float_dot(q, tl.trans(k), None) * qk_scale
     if MASKED:
         keep = (n[None, :] <= q_pos[:, None]) & in_seq[None, :]
         qk = tl.where(keep, qk, float("-inf"))
@@ -198,7 +208,7 @@ def _attend_tile(
         v = _load_kv_tile(v_cache_ptr, v_scale_ptr, slot_off, scale_off, cols, in_seq,
                           HEAD_DIM, GROUP, QUANT, MASKED, q.dtype, COMPILED)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v, acc)
+    acc = float_dot(p.to(q.dtype), v, acc)
     return acc, m_new, l_i
 
 

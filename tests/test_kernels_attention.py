@@ -686,6 +686,26 @@ def test_gpu_prefill_bf16(cache, d, hq, hkv):
 
 
 @gpu
+@pytest.mark.parametrize("cache", ["fp32", "int8-32"])
+def test_gpu_float32_attention_computes_in_float32(cache):
+    """A float32 q is computed in float32 on the GPU as on the CPU: prefill and decode within the CPU's float32
+    tolerance of float64 on the dequantized cache. (Triton's default TF32 dots were ~1e-3 off here.)"""
+    d, hq, hkv = 128, 8, 2
+    cache_dtype, group = _cache_args(cache, d, torch.float32)
+    sc = Scenario(SEQS, hq, hkv, d, cache_dtype, group, share_prefix_blocks=2, device="cuda", seed=7)
+    kd, vd, _, _ = _dequant_cache(*sc.caches)
+    kd, vd, scale = kd.double(), vd.double(), d ** -0.5
+    q = torch.randn(sc.T, hq, d, device="cuda")
+    out = prefill_attention(q, *sc.caches, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    ref = R.prefill_attention(q.double(), kd, vd, None, None, sc.block_tables, sc.cu, sc.seq_lens, scale)
+    close(out.double(), ref, TOL[torch.float32])
+    q1 = torch.randn(len(SEQS), hq, d, device="cuda")
+    out = decode_attention(q1, *sc.caches, sc.block_tables, sc.seq_lens, scale)
+    ref = R.decode_attention(q1.double(), kd, vd, None, None, sc.block_tables, sc.seq_lens, scale)
+    close(out.double(), ref, TOL[torch.float32])
+
+
+@gpu
 @pytest.mark.parametrize("cache,d,hq,hkv", GPU_CASES)
 def test_gpu_prefill_long_prompts_bf16(cache, d, hq, hkv):
     """Prompts averaging >= LONG_PREFILL_TOKENS take the long-prompt launch table."""

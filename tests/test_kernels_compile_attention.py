@@ -54,22 +54,25 @@ SCRIPT = textwrap.dedent(
         results.append(dict(name=name, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
                             ptx_has_mma=("mma" in ptx), cubin=len(k.asm["cubin"]),
                             byte_loads=ptx.count("ld.global.b8") + ptx.count("ld.shared.b8"),
-                            fma_f32=ptx.count("fma.rn.f32"),
+                            fma_f32=ptx.count("fma.rn.f32"), tf32=ptx.count(".tf32"),
                             pdl_wait=ptx.count("griddepcontrol.wait"),
                             pdl_trigger=ptx.count("griddepcontrol.launch_dependents")))
 
-    def cache_ptrs(kind):
+    def cache_ptrs(kind, float_type="*bf16"):
         if kind == "int8":
             return {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}
-        return {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16"}
+        return {"k_cache_ptr": float_type, "v_cache_ptr": float_type, "k_scale_ptr": float_type,
+                "v_scale_ptr": float_type}
 
     which = sys.argv[1]
     if which == "prefill":
         entries = [(f"prefill d{d} {kind}", d, kind, cfg) for (d, kind), cfg in sorted(C.PREFILL.items())]
         entries += [(f"prefill (long) d{d} {kind}", d, kind, cfg) for (d, kind), cfg in sorted(C.PREFILL_LONG.items())]
+        entries += [(f"prefill d128 {kind} q=fp32", 128, kind, C.PREFILL[(128, kind)]) for kind in ("float", "int8")]
         for name, d, kind, cfg in entries:
             cfg = dict(cfg)
-            ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", **cache_ptrs(kind), "block_tables_ptr": "*i32",
+            q_type = "*fp32" if name.endswith("q=fp32") else "*bf16"
+            ptrs = {"q_ptr": q_type, "out_ptr": q_type, **cache_ptrs(kind, q_type), "block_tables_ptr": "*i32",
                     "cu_seqlens_ptr": "*i32", "seq_lens_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_idx_ptr": "*i32"}
             consts = dict(QPK=4, HEAD_DIM=d, GROUP=32 if kind == "int8" else d, PAGE_SIZE=16,
                           BLOCK_M=cfg.pop("BLOCK_M"), BLOCK_N=cfg.pop("BLOCK_N"), QUANT=kind == "int8",
@@ -82,17 +85,19 @@ SCRIPT = textwrap.dedent(
                   dict(num_warps=4))
     elif which == "decode":
         for (d, kind), cfg in sorted(C.DECODE.items()):
-            for splits, page in ((1, 16), (8, 16), (8, 8), (8, 32)):
+            for splits, page, q_type in ((1, 16, "*bf16"), (8, 16, "*bf16"), (8, 8, "*bf16"), (8, 32, "*bf16"),
+                                         (8, 16, "*fp32")):
                 if page != 16 and kind != "int8":
                     continue  # the page size changes the int8 V loads (runs of min(page, 16) keys)
                 c = dict(cfg)
-                ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                        **cache_ptrs(kind), "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+                ptrs = {"q_ptr": q_type, "out_ptr": q_type, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                        **cache_ptrs(kind, q_type), "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
                 ng = d // 32 if kind == "int8" else 1
                 consts = dict(QPK=4, QPK_PAD=max(4, -(-16 // ng)), HQ=32, HEAD_DIM=d, GROUP=32 if kind == "int8" else d,
                               PAGE_SIZE=page, BLOCK_N=c.pop("BLOCK_N"), SPLIT=splits > 1, QUANT=kind == "int8",
                               COMPILED=True)
-                build(f"decode d{d} {kind} splits{splits} page{page}", _decode_kernel, ptrs, {"qk_scale": "fp32"},
+                q_name = " q=fp32" if q_type == "*fp32" else ""
+                build(f"decode d{d} {kind} splits{splits} page{page}{q_name}", _decode_kernel, ptrs, {"qk_scale": "fp32"},
                       consts, c)
             for chunk, opts in sorted(C.REDUCE_CHUNKS.items()):
                 build(f"reduce d{d} chunk{chunk}", _decode_reduce_kernel,
@@ -124,8 +129,11 @@ def test_attention_kernels_compile_for_sm90(which):
     for r in results:
         assert r["cubin"] > 0, r
         assert r["shared"] <= HOPPER_SMEM, r
-        if not r["name"].startswith(("kv_write", "kv_dequant", "reduce")):
+        if r["name"].endswith("q=fp32"):  # float32 attention runs in float32, not TF32 (prefill_attention.float_dot)
+            assert r["tf32"] == 0, f"{r['name']}: {r['tf32']} TF32 instructions in the PTX"
+        elif not r["name"].startswith(("kv_write", "kv_dequant", "reduce")):
             assert r["ptx_has_mma"], f"{r['name']}: no tensor-core instructions in the PTX"
+            assert r["tf32"] == 0, r
         if r["name"].startswith("kv_write"):  # kernels/pdl.py: it lets the decode start, and waits for the qkv GEMM
             assert r["pdl_trigger"] >= 1 and r["pdl_wait"] >= 1, r
             # int8 tiles must move by vector copies: byte loads mean a lost contiguity hint or layout
