@@ -122,6 +122,37 @@ def test_serve_stops_its_engine_process_before_it_exits_on_sigterm(monkeypatch):
     assert not seen[0]._proc.is_alive()  # stopped and joined
 
 
+def test_serve_exits_non_zero_when_its_engine_process_dies(monkeypatch, capsys):
+    """Killed as the OOM killer would, the engine process takes `eightbit serve` down with it: the server shuts down
+    and the command exits 1 with the reason, so that a supervisor restarts it (before: 503 for ever)."""
+    import threading
+
+    from eightbit.cli import main as cli_main
+    from eightbit.engine.server import cli as serve_cli
+
+    made = {}
+    real_start, real_server = EngineProcess.start, serve_cli.uvicorn_server
+    monkeypatch.setattr(EngineProcess, "start", lambda self: made.setdefault("engine", real_start(self)))
+    monkeypatch.setattr(serve_cli, "uvicorn_server",
+                        lambda *a, **kw: made.setdefault("server", real_server(*a, **kw)))
+
+    def kill_the_engine_process():
+        deadline = time.monotonic() + 120
+        while not getattr(made.get("server"), "started", False) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(made["engine"]._proc.pid, signal.SIGKILL)
+        time.sleep(30)
+        made["server"].should_exit = True  # so that a server that does not notice fails the test, not hangs it
+
+    threading.Thread(target=kill_the_engine_process, daemon=True).start()
+    code = cli_main(["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype",
+                     "float32", "--kv-cache-memory-gb", "0.05", "--port", "0", "--log-level", "warning"])
+    assert code == 1
+    assert ("eightbit serve: error: the engine process died (exit code -9); the server stopped"
+            in capsys.readouterr().err)
+    assert not made["engine"]._proc.is_alive()
+
+
 def test_messages_to_the_engine_process_never_interleave():
     """Handlers (submit, abort), the reader (aborts for closed event loops) and stop() all send on one pipe, and a
     large message goes out as several writes: no send may start while another is under way."""

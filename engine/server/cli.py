@@ -9,11 +9,14 @@ import dataclasses
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 import types
 
 from eightbit.engine.config import LOAD_FORMATS, EngineConfig
+
+log = logging.getLogger("eightbit.server")
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # How long an idle HTTP/1.1 connection stays open. Longer than clients keep idle connections in their pools (httpx
@@ -142,18 +145,22 @@ def run_serve(args) -> int:
     engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     freeze_startup_heap()  # this process is the server's (the engine process freezes its own)
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
+    server = uvicorn_server(app, engine=async_engine, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler it found: the default
     # one ended the process there, before the engine process was stopped below, which then outlived us
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     try:
-        uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level,
-                       timeout_keep_alive=args.timeout_keep_alive,
-                       timeout_graceful_shutdown=args.timeout_graceful_shutdown).run()
+        server.run()
     finally:
         async_engine.stop()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+    if server.engine_lost is not None:
+        print(f"eightbit serve: error: {server.engine_lost}; the server stopped", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -161,14 +168,30 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # the shell's status for a process that SIGTERM ended
 
 
-def uvicorn_server(app, **config):
+def uvicorn_server(app, engine=None, **config):
     """uvicorn's Server for our app, whose shutdown answers the requests still open near the end of its graceful
-    wait (SHUTDOWN_ANSWER_S) instead of cutting them off when the wait ends."""
+    wait (SHUTDOWN_ANSWER_S) instead of cutting them off when the wait ends.
+
+    engine: the engine loop to watch (`eightbit serve`). If it stops while the server runs (the engine process
+    killed, a crash), the server shuts down, with the reason in `engine_lost`, so that the command exits non-zero
+    and a supervisor (systemd, Kubernetes) restarts it, rather than answering 503 for ever."""
     import uvicorn
 
     from eightbit.engine.server.protocol import APIError
 
     class Server(uvicorn.Server):
+        engine_lost = None  # why the engine loop stopped, once it has
+
+        async def on_tick(self, counter):
+            if engine is not None and self.engine_lost is None and not engine.alive:
+                # (an EngineProcess's reason is None until its reader thread has joined the process: next tick)
+                self.engine_lost = getattr(engine, "exit_reason",
+                                           "the engine loop stopped (its error is logged above)")
+                if self.engine_lost is not None:
+                    log.error("%s: shutting down", self.engine_lost)
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
         async def shutdown(self, sockets=None):
             timeout = self.config.timeout_graceful_shutdown
             answer = asyncio.create_task(_answer_open_requests(max(timeout - SHUTDOWN_ANSWER_S, timeout / 2)))

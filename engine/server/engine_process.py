@@ -12,8 +12,8 @@ thread on one H200 (docs/benchmarks.md, thirtieth session): the same throughput 
 
 The child runs the same `AsyncEngine` loop; only where its outputs go differs (`_EngineCore`): each step's
 outputs (deltas for streams, first token and end for the rest; without their prompts) and its stats snapshot go
-back as one pickled message. If the child dies, every request in flight fails with `EngineLoopError`, and
-`alive` turns False (/health answers 503).
+back as one pickled message. If the child dies, every request in flight fails with `EngineLoopError`, `alive`
+turns False (/health answers 503), and `exit_reason` says why (`eightbit serve` then exits: cli.uvicorn_server).
 """
 
 import dataclasses
@@ -43,6 +43,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._sinks = {}  # request_id -> Sink
         self._stats = {}
+        self.exit_reason = None  # why the engine process ended, once it has
 
     def start(self):
         """Spawn the engine process and wait until its engine is built; re-raises what building it raised."""
@@ -148,6 +149,7 @@ class EngineProcess:
         code = self._proc.exitcode
         if reason is None:
             reason = "the engine loop stopped" if code == 0 else f"the engine process died (exit code {code})"
+        self.exit_reason = reason
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         hand_over([(sink, [(rid, EngineLoopError(reason))]) for rid, sink in sinks.items()])
