@@ -452,6 +452,10 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
      400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     # a client's own template could run for ever on a tokenizer worker
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
@@ -587,6 +591,26 @@ def test_chat_template_variables_still_reach_the_template(client, offline, monke
                                          extra_body={"chat_template_kwargs": {"some_template_variable": True}})
     assert out.choices[0].message.content == ref
     assert seen == [{"some_template_variable": True}]
+
+
+def test_tools_with_tool_choice_none_reach_the_template_and_are_never_called(client, offline, monkeypatch):
+    """Agent frameworks send their tools with every request: with tool_choice "none" they are taken, passed to the
+    chat template as HF's `tools` (SmolLM2's template does not read them, so the rendering is watched), and the answer
+    is plain text; any other tool_choice is refused (tests above)."""
+    from eightbit.engine.server import api
+
+    seen = []
+    real = api.render_chat
+    monkeypatch.setattr(api, "render_chat", lambda *args, **kwargs: seen.append(kwargs) or real(*args, **kwargs))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Hi"}]
+    ref = offline.chat(messages, greedy(4), use_tqdm=False)[0].outputs[0].text
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, tools=tools,
+                                         tool_choice="none")
+    assert out.choices[0].message.content == ref and not out.choices[0].message.tool_calls
+    assert seen == [{"tools": tools}]
 
 
 def test_the_overload_metric_counts_queue_rejections_only():

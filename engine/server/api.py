@@ -701,8 +701,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         _need_tokenizer(state, True, "messages", "chat needs its chat template and tokenizer; use /v1/completions "
                         "with token-id prompts")
         messages = _chat_messages(req)
-        _reject_unless(not req.tools, "tools", "tools are not supported")
-        _reject_unless(req.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
+        # tools reach the chat template (the model may read them) but are never called: the server parses no tool
+        # calls, so it takes them only where the client says so (agent frameworks often send them every time)
+        _reject_unless(not req.tools or req.tool_choice == "none", "tools",
+                       'tools are supported with tool_choice "none" only (this server does not parse tool calls)')
+        _reject_unless(req.tool_choice in (None, "none"), "tool_choice", 'tool_choice other than "none" is not '
+                       "supported")
         _reject_unless(req.response_format is None or req.response_format.get("type") == "text",
                        "response_format", "only response_format {\"type\": \"text\"} is supported")
         if req.top_logprobs is not None:
@@ -717,10 +721,11 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         params = _sampling_params(req, max_tokens, top_k, max_tokens_field)
         _check_limits(state, params, 1)
         _check_template_kwargs(state, req.chat_template_kwargs)
-        _check_chars(state, _template_chars(messages, req.chat_template_kwargs), "messages")
+        template_kwargs = dict(req.chat_template_kwargs or {}, **({"tools": req.tools} if req.tools else {}))
+        _check_chars(state, _template_chars(messages, template_kwargs), "messages")
         try:
             prompt = await state.tokenizers.run(state.tokenizers.chat_prompt, messages, req.add_generation_prompt,
-                                                req.chat_template_kwargs)
+                                                template_kwargs)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         _check_length(state, [prompt], max_tokens, params.min_tokens, max_tokens_field, "messages")
