@@ -119,6 +119,36 @@ def test_serve_passes_its_keep_alive_and_shutdown_bound_to_uvicorn(flags, want, 
     assert (seen["timeout_keep_alive"], seen["timeout_graceful_shutdown"]) == want
 
 
+def test_a_second_ctrl_c_does_not_print_a_traceback_per_open_request():
+    """A second Ctrl-C makes uvicorn quit at once and cancel every open request, each of which it logged as a
+    CancelledError traceback (and the lifespan task's, as text). From the second Ctrl-C on those are dropped; other
+    errors, and the same records after one Ctrl-C, still print."""
+    import asyncio
+    import logging
+    import signal
+
+    from eightbit.engine.server.cli import uvicorn_server
+
+    def record(exc=None, msg="Exception in ASGI application"):
+        exc_info = (type(exc), exc, None) if exc else None
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, msg, None, exc_info)
+
+    cancelled, other = record(asyncio.CancelledError()), record(RuntimeError("a real error"))
+    lifespan = record(msg="Traceback ...\nasyncio.exceptions.CancelledError\n")
+    logger = logging.getLogger("uvicorn.error")
+    before = list(logger.filters)
+    server = uvicorn_server(lambda scope, receive, send: None)
+    try:
+        server.handle_exit(signal.SIGINT, None)
+        assert server.should_exit and not server.force_exit
+        assert all(logger.filter(r) for r in (cancelled, lifespan, other))
+        server.handle_exit(signal.SIGINT, None)
+        assert server.force_exit
+        assert not logger.filter(cancelled) and not logger.filter(lifespan) and logger.filter(other)
+    finally:
+        logger.filters[:] = before
+
+
 def test_a_shutdown_answers_the_requests_still_open_with_a_503():
     """Past its graceful wait, uvicorn cancelled the open handlers: a non-streamed request got a plain-text 500 and
     a stream was cut mid-body (the openai client raised a protocol error). Now they are answered before that."""

@@ -192,6 +192,11 @@ def uvicorn_server(app, engine=None, **config):
                     self.should_exit = True
             return await super().on_tick(counter)
 
+        def handle_exit(self, sig, frame):
+            if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: uvicorn quits now, cancelling requests
+                logging.getLogger("uvicorn.error").addFilter(_not_a_cancellation)
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None):
             timeout = self.config.timeout_graceful_shutdown
             answer = asyncio.create_task(_answer_open_requests(max(timeout - SHUTDOWN_ANSWER_S, timeout / 2)))
@@ -206,6 +211,14 @@ def uvicorn_server(app, engine=None, **config):
                                                     code="shutting_down"))
 
     return Server(uvicorn.Config(app, **config))
+
+
+def _not_a_cancellation(record) -> bool:
+    """A log filter: False for the traceback of a task that uvicorn's forced exit cancelled (one per open request,
+    and the lifespan task's, which starlette hands over as text), True for everything else."""
+    if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+        return False
+    return not str(record.msg).rstrip().endswith("asyncio.exceptions.CancelledError")
 
 
 class BackgroundServer:
