@@ -613,6 +613,32 @@ def test_tools_with_tool_choice_none_reach_the_template_and_are_never_called(cli
     assert seen == [{"tools": tools}]
 
 
+def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server, monkeypatch):
+    """An agent's history: an assistant turn that called a tool (no content, arguments as a JSON string) and the
+    tool's result. The template gets the call with its arguments as a dict (HF's form, as vLLM passes them) and the
+    result's call id; arguments that are not JSON, or a call without a function, are a 400 naming the message."""
+    from eightbit.engine.server import api
+
+    seen = []
+    real = api.render_chat
+    monkeypatch.setattr(api, "render_chat", lambda tok, messages, *a, **kw: seen.append(messages) or real(
+        tok, messages, *a, **kw))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    body = {"model": MODEL, "messages": history, "max_tokens": 2, "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    assert seen[-1][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert seen[-1][2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    for bad in ({**call, "function": {"name": "f", "arguments": "{city"}}, "not a call"):
+        body["messages"] = [history[0], {**history[1], "tool_calls": [bad]}, history[2]]
+        resp = post(server, "/v1/chat/completions", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.1", resp.text
+
+
 def test_the_overload_metric_counts_queue_rejections_only():
     from eightbit.engine.server.metrics import Metrics
 

@@ -465,8 +465,10 @@ async def _completion_prompts(state: ServerState, prompt: list, check) -> list[l
 
 
 def _template_chars(messages: list[dict], template_kwargs: dict | None) -> int:
-    """The characters the chat template gets: every message's role, content and name, and its variables."""
-    return (sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+    """The characters the chat template gets: every message's fields (role, content, name, tool calls) and its
+    variables (tools among them)."""
+    return (sum(len(v) if isinstance(v, str) else len(json.dumps(v, ensure_ascii=False))
+                for m in messages for v in m.values())
             + len(json.dumps(template_kwargs or {}, ensure_ascii=False)))
 
 
@@ -487,8 +489,28 @@ def _chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
         message = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             message["name"] = m.name
+        message.update(_tool_fields(m, i))
         out.append(message)
     return out
+
+
+def _tool_fields(m: P.ChatMessage, i: int) -> dict:
+    """An earlier turn's tool calls and a tool result's call id, for the chat template (which reads them where the
+    model knows tools). OpenAI sends a call's arguments as a JSON string; HF templates take a dict, as vLLM passes."""
+    extra = m.model_extra or {}
+    fields = {k: extra[k] for k in ("tool_calls", "tool_call_id") if extra.get(k) is not None}
+    for j, call in enumerate(fields.get("tool_calls") or []):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise APIError(f"messages[{i}].tool_calls[{j}] must be an object with a function",
+                           param=f"messages.{i}")
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                raise APIError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                               param=f"messages.{i}") from None
+    return fields
 
 
 # --- building responses -------------------------------------------------------------------------
