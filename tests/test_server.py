@@ -616,7 +616,9 @@ def test_tools_with_tool_choice_none_reach_the_template_and_are_never_called(cli
 def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server, monkeypatch):
     """An agent's history: an assistant turn that called a tool (no content, arguments as a JSON string) and the
     tool's result. The template gets the call with its arguments as a dict (HF's form, as vLLM passes them) and the
-    result's call id; arguments that are not JSON, or a call without a function, are a 400 naming the message."""
+    result's call id. As in vLLM, arguments that are empty or not a JSON object become {} (a bad call in the history
+    must not lock the conversation out) and an empty list of calls is dropped; tool_calls that is not a list, or a
+    call without a function, is a 400 naming the message."""
     from eightbit.engine.server import api
 
     seen = []
@@ -633,10 +635,23 @@ def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server,
     assert seen[-1][1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     assert seen[-1][2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
-    for bad in ({**call, "function": {"name": "f", "arguments": "{city"}}, "not a call"):
+    for arguments in ("{city", "", None, "[1]", "[" * 100000, "1" * 5000, {"city": "Rome"}):
+        function = {"name": "f"} if arguments is None else {"name": "f", "arguments": arguments}
+        body["messages"] = [history[0], {**history[1], "tool_calls": [{**call, "function": function}]}, history[2]]
+        assert post(server, "/v1/chat/completions", body).status_code == 200
+        got = seen[-1][1]["tool_calls"][0]["function"]["arguments"]
+        assert got == (arguments if isinstance(arguments, dict) else {}), (repr(arguments)[:20], got)
+    body["messages"] = [history[0], {"role": "assistant", "content": "Sunny.", "tool_calls": []}]
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    assert seen[-1][1] == {"role": "assistant", "content": "Sunny."}
+    for bad in ("not a call", {"id": "call_2", "type": "function"}):
         body["messages"] = [history[0], {**history[1], "tool_calls": [bad]}, history[2]]
         resp = post(server, "/v1/chat/completions", body)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.1", resp.text
+    for bad in (5, True, "call", {"function": {"name": "f"}}):
+        body["messages"] = [history[0], {**history[1], "tool_calls": bad}, history[2]]
+        resp = post(server, "/v1/chat/completions", body)
+        assert resp.status_code == 400 and "must be a list" in resp.json()["error"]["message"], resp.text
 
 
 def test_the_overload_metric_counts_queue_rejections_only():

@@ -75,6 +75,22 @@ def test_a_dying_engine_process_fails_what_is_in_flight_and_health_says_so():
         srv.stop()
 
 
+def test_the_engine_process_outlives_a_sigterm_so_that_the_server_can_drain():
+    """systemd stops a service by sending SIGTERM to every process in it. The engine process ignores it: the server
+    process drains its open requests, then stops the engine (with a command, or SIGKILL, which stop() falls back to)."""
+    srv = BackgroundServer(EngineProcess(EngineConfig(**ENGINE_OPTIONS))).start()
+    proc = srv.async_engine._proc
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.is_alive() and srv.async_engine.alive
+        r = completion(srv, max_tokens=3, ignore_eos=True)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        srv.stop()
+    assert not proc.is_alive() and proc.exitcode == 0  # it ended on the stop command
+
+
 @pytest.mark.parametrize("flags, loop_type", [([], EngineProcess), (["--no-engine-process"], AsyncEngine)])
 def test_serve_runs_the_engine_in_its_own_process_unless_told_not_to(flags, loop_type, monkeypatch):
     import uvicorn

@@ -496,21 +496,38 @@ def _chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
 
 def _tool_fields(m: P.ChatMessage, i: int) -> dict:
     """An earlier turn's tool calls and a tool result's call id, for the chat template (which reads them where the
-    model knows tools). OpenAI sends a call's arguments as a JSON string; HF templates take a dict, as vLLM passes."""
+    model knows tools). OpenAI sends a call's arguments as a JSON string; HF templates take a dict, which vLLM
+    passes: arguments missing, empty or not JSON become {} as there (a bad call in the history must not lock the
+    conversation out), and an empty list of calls is dropped (Llama 3's template refuses it)."""
     extra = m.model_extra or {}
     fields = {k: extra[k] for k in ("tool_calls", "tool_call_id") if extra.get(k) is not None}
-    for j, call in enumerate(fields.get("tool_calls") or []):
+    calls = fields.get("tool_calls")
+    if calls is None:
+        return fields
+    if not isinstance(calls, list):
+        raise APIError(f"messages[{i}].tool_calls must be a list, got {type(calls).__name__}", param=f"messages.{i}")
+    if not calls:
+        del fields["tool_calls"]
+    for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
             raise APIError(f"messages[{i}].tool_calls[{j}] must be an object with a function",
                            param=f"messages.{i}")
-        if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                raise APIError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
-                               param=f"messages.{i}") from None
+        arguments = function.get("arguments")
+        if not isinstance(arguments, dict):
+            function["arguments"] = _json_object(arguments, f"messages[{i}].tool_calls[{j}]")
     return fields
+
+
+def _json_object(text, where: str) -> dict:
+    try:
+        value = json.loads(text) if isinstance(text, str) and text.strip() else {}
+    except (ValueError, RecursionError):  # not JSON, too deep, a number too long to parse
+        value = None
+    if not isinstance(value, dict):
+        log.warning("%s: function.arguments is not a JSON object; the template gets {}", where)
+        return {}
+    return value
 
 
 # --- building responses -------------------------------------------------------------------------

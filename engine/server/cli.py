@@ -181,14 +181,19 @@ def uvicorn_server(app, engine=None, **config):
 
     class Server(uvicorn.Server):
         engine_lost = None  # why the engine loop stopped, once it has
+        _dead_ticks = 0
 
         async def on_tick(self, counter):
-            if engine is not None and self.engine_lost is None and not engine.alive:
-                # (an EngineProcess's reason is None until its reader thread has joined the process: next tick)
-                self.engine_lost = getattr(engine, "exit_reason",
-                                           "the engine loop stopped (its error is logged above)")
-                if self.engine_lost is not None:
-                    log.error("%s: shutting down", self.engine_lost)
+            # (not once a shutdown has begun: then the engine stops as part of it)
+            if engine is not None and self.engine_lost is None and not self.should_exit and not engine.alive:
+                # an EngineProcess's reason is None until its reader thread has joined the process (within 5 s)
+                self._dead_ticks += 1
+                reason = getattr(engine, "exit_reason", "the engine loop stopped (its error is logged above)")
+                if reason is None and self._dead_ticks > 100:  # 10 s: its reader is gone too
+                    reason = "the engine process stopped"
+                if reason is not None:
+                    self.engine_lost = reason
+                    log.error("%s: shutting down", reason)
                     self.should_exit = True
             return await super().on_tick(counter)
 
@@ -199,6 +204,8 @@ def uvicorn_server(app, engine=None, **config):
 
         async def shutdown(self, sockets=None):
             timeout = self.config.timeout_graceful_shutdown
+            if timeout is None:  # uvicorn waits for open requests as long as they run
+                return await super().shutdown(sockets)
             answer = asyncio.create_task(_answer_open_requests(max(timeout - SHUTDOWN_ANSWER_S, timeout / 2)))
             try:
                 await super().shutdown(sockets)

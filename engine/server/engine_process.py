@@ -71,7 +71,7 @@ class EngineProcess:
     def _abandon_start(self, wait_s):
         self._proc.join(wait_s)
         if self._proc.is_alive():
-            self._proc.terminate()
+            self._proc.kill()
             self._proc.join(10)
         self._conn.close()
         self._proc = self._conn = None
@@ -93,7 +93,7 @@ class EngineProcess:
         self._send(("stop",))
         self._proc.join(timeout)
         if self._proc.is_alive():
-            self._proc.terminate()
+            self._proc.kill()
             self._proc.join(timeout)
         if self._reader is not None:
             self._reader.join(timeout)
@@ -144,7 +144,7 @@ class EngineProcess:
         except Exception as e:  # a bug: end the engine process too, rather than leave it blocked on a full pipe
             log.exception("reading the engine process's outputs failed")
             reason = f"reading the engine process's outputs failed: {e!r}"
-            self._proc.terminate()
+            self._proc.kill()
         self._proc.join(5)
         code = self._proc.exitcode
         if reason is None:
@@ -210,7 +210,10 @@ def _slim(out):
 def _engine_main(conn, config):
     from eightbit.engine.llm_engine import LLMEngine, freeze_startup_heap
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server process stops us
+    # Ctrl-C reaches the whole process group, and systemd stops a service by sending SIGTERM to each of its processes:
+    # the server process drains its open requests first, then stops us (with a command, or SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = LLMEngine(config)
     except Exception as e:  # sent back to be raised by start(): the same error as building it in the server
