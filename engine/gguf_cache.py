@@ -6,8 +6,11 @@ safetensors, config, generation config, tokenizer files) is written once under t
 then on as an HF checkpoint directory (`eightbit generate` on the embedded model: ~35 s the first time, ~10 s
 after).
 
-One entry per GGUF path, replaced when the file's size, modification or status-change time, the transformers
-version or this format changes, or when one of its files no longer has the size it was written with. An entry is written to a
+One entry per GGUF path and transformers version (what transformers makes of a GGUF changes between its versions),
+replaced when the file's size, modification or status-change time or this format changes, or when one of its files
+no longer has the size it was written with. Two environments with different transformers versions that share the
+cache each keep their entry (each used to replace the other's, ~30 s a time); of the entries that other versions made
+from the same file, only the one written last stays (KEEP_OTHER_VERSIONS), so upgrades do not pile them up. An entry is written to a
 temporary directory, flushed to disk and renamed into place, so a crash, Ctrl-C or power loss never leaves a
 half-written one. Processes opening the same GGUF at once convert it once: the others wait on a lock file and then
 read the first one's entry; where locks do not work, a process that finds a valid entry in place when its own
@@ -32,6 +35,7 @@ from pathlib import Path
 FORMAT = 2  # bump when what an entry holds changes: older entries are then converted again
 SOURCE_FILE = "source.json"  # written last: what the entry was made from
 ABANDONED_AFTER_S = 3600
+KEEP_OTHER_VERSIONS = 1  # entries of the same GGUF file made by other transformers versions
 
 
 def cache_root() -> Path | None:
@@ -47,8 +51,10 @@ def entry_dir(gguf: Path) -> Path | None:
     root = cache_root()
     if root is None:
         return None
-    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:16]
-    return root / "gguf" / f"{gguf.stem}-{digest}"
+    import transformers
+
+    key = f"{gguf.resolve()}\0{transformers.__version__}\0{FORMAT}"
+    return root / "gguf" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _source(gguf: Path) -> dict:
@@ -133,7 +139,29 @@ def store(gguf: Path, write) -> Path | None:
         if lookup(gguf) is not None:  # another process put its copy in place between the two steps
             return entry
         return _not_stored(gguf, entry, e)
+    _prune_other_versions(gguf, entry)
     return entry
+
+
+def _prune_other_versions(gguf: Path, entry: Path):
+    """Remove the entries of this GGUF file that other transformers versions made, but the KEEP_OTHER_VERSIONS
+    written last (renamed aside first, as _replace does, so that a process reading one keeps its files)."""
+    others = []
+    for sibling in entry.parent.glob(f"{gguf.stem}-*"):
+        try:
+            source = sibling / SOURCE_FILE
+            if sibling != entry and sibling.is_dir() and json.loads(source.read_text())["gguf"] == str(gguf.resolve()):
+                others.append((source.stat().st_mtime_ns, sibling))
+        except (OSError, ValueError, KeyError, TypeError):  # not an entry of this file, or being replaced
+            continue
+    for _, old in sorted(others, reverse=True)[KEEP_OTHER_VERSIONS:]:
+        try:
+            aside = Path(tempfile.mkdtemp(prefix=f".{old.name}.old.", dir=entry.parent))
+            os.rename(old, aside / "entry")
+            shutil.rmtree(aside, ignore_errors=True)
+            (entry.parent / f"{old.name}.lock").unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _replace(entry: Path, tmp: Path):

@@ -88,6 +88,31 @@ def test_an_entry_is_used_until_its_file_changes(gguf):
     assert leftovers(gguf) == []
 
 
+def test_each_transformers_version_keeps_its_entry_and_old_ones_do_not_pile_up(gguf, monkeypatch):
+    """What transformers makes of a GGUF changes between its versions. Two environments sharing a cache each keep
+    their entry (each used to replace the other's); of another version's entries of the same file only the one
+    written last stays. Another file's entry is left alone."""
+    import transformers
+
+    other = gguf.parent / "model-q8.gguf"  # its entries share the "model-" prefix
+    other.write_bytes(b"GGUF other")
+    entries = {}
+    for version in ("4.0", "5.0", "4.0", "6.0"):
+        monkeypatch.setattr(transformers, "__version__", version)
+        if gguf_cache.lookup(gguf) is None:
+            entries[version] = gguf_cache.store(gguf, write_marker(version))
+            gguf_cache.store(other, write_marker("other " + version))
+        time.sleep(0.01)  # distinct write times
+    assert len(set(entries.values())) == 3  # 4.0's entry was found again, not rewritten
+    for version, present in (("4.0", False), ("5.0", True), ("6.0", True)):
+        monkeypatch.setattr(transformers, "__version__", version)
+        assert (gguf_cache.lookup(gguf) == entries[version]) is present and entries[version].exists() is present
+        if present:
+            assert (entries[version] / "marker").read_text() == version
+        assert gguf_cache.lookup(other) is not None or version == "4.0"  # its own 4.0 entry went the same way
+    assert sorted(p.name for p in gguf_cache.entry_dir(gguf).parent.iterdir() if p.name.startswith(".")) == []
+
+
 def test_an_interrupted_or_failed_write_leaves_the_old_entry_and_nothing_else(gguf):
     entry = gguf_cache.store(gguf, write_marker("kept"))
 
