@@ -277,6 +277,7 @@ def test_chat_stream_chunks_carry_the_stop_reason(client, offline):
 def test_probes_answer_head(server):
     assert httpx.head(server.url + "/health").status_code == 200
     assert httpx.head(server.url + "/v1/models").status_code == 200
+    assert httpx.head(server.url + f"/v1/models/{MODEL}").status_code == 200
 
 
 def test_stop_strings_and_max_tokens(client, offline):
@@ -475,6 +476,37 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
     ("/v1/completions", {"model": MODEL, "prompt": [1.0, 2.0]}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    # vLLM's extras that would change the output are refused, not ignored (an answer that ignores them is wrong)
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "guided_choice": ["yes", "no"]}, 400, "guided_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "structured_outputs": {"choice": ["yes", "no"]}}, 400, "structured_outputs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [28]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "bad_words": ["x"]}, 400, "bad_words"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 5}, 400, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
+     "echo"),
+    # continuing a final message needs one, from the assistant, and no generation prompt after it
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "continue_final_message": True, "add_generation_prompt": False}, 400,
+     "continue_final_message"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                                           {"role": "assistant", "content": "y"}],
+                              "continue_final_message": True}, 400, "continue_final_message"),
+    # the deprecated functions / function_call, as tools / tool_choice
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "functions": [{"name": "f"}]}, 400, "functions"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "functions": [{"name": "f"}], "function_call": {"name": "f"}}, 400, "functions"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "function_call": "auto"}, 400, "function_call"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x\ud800"}]}, 400,
+     "messages.0.content"),  # a lone surrogate: said so, not the tokenizer's words
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
 ])
 def test_bad_input_openai_error(server, path, body, status, param):
     resp = post(server, path, body)
@@ -611,6 +643,10 @@ def test_tools_with_tool_choice_none_reach_the_template_and_are_never_called(cli
                                          tool_choice="none")
     assert out.choices[0].message.content == ref and not out.choices[0].message.tool_calls
     assert seen == [{"tools": tools}]
+    # the deprecated form: functions with function_call "none" reach the template as tools
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                         functions=[tools[0]["function"]], function_call="none")
+    assert out.choices[0].message.content == ref and seen[-1] == {"tools": tools}
 
 
 def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server, monkeypatch):
@@ -652,6 +688,45 @@ def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server,
         body["messages"] = [history[0], {**history[1], "tool_calls": bad}, history[2]]
         resp = post(server, "/v1/chat/completions", body)
         assert resp.status_code == 400 and "must be a list" in resp.json()["error"]["message"], resp.text
+
+
+def test_vllm_extras_at_their_neutral_values_are_taken(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "use_beam_search": False, "bad_words": [],
+            "length_penalty": 1.0, "prompt_logprobs": None, "guided_json": None, "return_tokens_as_token_ids": False}
+    assert post(server, "/v1/completions", body).status_code == 200
+
+
+def test_continue_final_message_continues_the_assistant_s_last_words(client, offline):
+    """vLLM's continue_final_message: the template renders the last (assistant) message open, without its end of
+    turn, and the reply continues it. Reference: HF's apply_chat_template with the same option, generated from
+    offline."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    tok = offline.get_tokenizer()
+    text = tok.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False, tokenize=False)
+    assert text.endswith("The colour is")
+    ids = tok(text, add_special_tokens=False).input_ids
+    ref = offline.generate([ids], greedy(6), use_tqdm=False)[0].outputs[0].text
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    assert out.choices[0].message.content == ref and ref.strip()
+
+
+def test_text_parts_are_joined_by_newlines(server, monkeypatch):
+    """As vLLM joins them, so that parts do not run into each other; the Responses API's input_text and an earlier
+    turn's refusal are text too."""
+    from eightbit.engine.server import api
+
+    seen = []
+    real = api.render_chat
+    monkeypatch.setattr(api, "render_chat", lambda tok, messages, *a, **kw: seen.append(messages) or real(
+        tok, messages, *a, **kw))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "First."}, {"type": "input_text",
+                                                                                 "text": "Second."}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+    assert post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                 "max_tokens": 1}).status_code == 200
+    assert [m["content"] for m in seen[-1]] == ["First.\nSecond.", "I cannot.", "Why?"]
 
 
 def test_the_overload_metric_counts_queue_rejections_only():
@@ -1029,3 +1104,18 @@ def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(client, offline
     assert joined.decode("utf-8") == out.choices[0].message.content
     for t in content:  # the top alternatives carry their own bytes the same way
         assert t.top_logprobs[0].bytes == t.bytes  # greedy: the top token is the chosen one
+
+
+def test_a_stream_event_is_one_line_for_readers_that_split_on_unicode_line_breaks():
+    """SSE ends lines at CR and LF only, but httpx's iter_lines (and requests' with decode_unicode) split at every
+    line boundary str.splitlines() knows: U+2028, U+2029 and U+0085 raw in an event's JSON would cut it in two."""
+    from eightbit.engine.server import api
+    from eightbit.engine.server import protocol as P
+
+    text = "a\u2028b\u2029c\x85d\u00e9\U0001f600"
+    chunk = P.ChatCompletionChunk(id="c", created=0, model="m", choices=[
+        P.ChatChunkChoice(index=0, delta=P.DeltaMessage(content=text))])
+    lines = [line for line in httpx.Response(200, content=api._sse(chunk).encode()).iter_lines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    event = json.loads(lines[0][6:])
+    assert event["choices"][0]["delta"] == {"content": text}  # the same text; no role: null

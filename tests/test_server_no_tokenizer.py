@@ -184,3 +184,38 @@ def test_a_shutdown_answers_the_requests_still_open_with_a_503():
     assert lines[-1] == "data: [DONE]" and len(lines) > 3  # some tokens, the error event, [DONE]
     assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
     assert not engine.requests  # their engine requests were aborted
+
+
+def test_browser_pages_may_call_the_api_cross_origin(server):
+    """CORS, as vLLM's default: a browser's preflight is answered (not counted as an API response) and every answer
+    names the origins allowed."""
+    preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}
+    counts = server.app.state.server.metrics.requests
+    before = dict(counts)
+    resp = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["access-control-allow-origin"] == "*"
+    assert "POST" in resp.headers["access-control-allow-methods"]
+    assert counts.get(("/v1/chat/completions", 200), 0) == before.get(("/v1/chat/completions", 200), 0)
+    resp = httpx.post(server.url + "/v1/completions", headers={"origin": "http://localhost:3000"},
+                      json={"model": model_id(server), "prompt": PROMPT, "max_tokens": 1})
+    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+
+
+def test_allowed_origins_narrow_cross_origin_calls():
+    from eightbit.engine.server.cli import _origins
+
+    assert _origins("http://a.test, http://b.test,") == ("http://a.test", "http://b.test") and _origins("") == ()
+    preflight = {"access-control-request-method": "POST"}
+    for origins, origin, allowed in [(("http://a.test",), "http://a.test", "http://a.test"),
+                                     (("http://a.test",), "http://evil.test", None), ((), "http://a.test", None)]:
+        srv = BackgroundServer(LLMEngine(EngineConfig(**ENGINE_OPTIONS)), allowed_origins=origins).start()
+        try:
+            resp = httpx.options(srv.url + "/v1/completions", headers={"origin": origin, **preflight})
+            assert resp.headers.get("access-control-allow-origin") == allowed, (origins, origin)
+            assert (resp.status_code == 200) == (allowed is not None)
+            resp = httpx.get(srv.url + "/v1/models", headers={"origin": origin})
+            assert resp.status_code == 200 and resp.headers.get("access-control-allow-origin") == allowed
+        finally:
+            srv.stop()

@@ -25,6 +25,7 @@ from tokenizers import decoders
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from eightbit.engine.chat import render_chat
 from eightbit.engine.sampling_params import SamplingParams
@@ -477,21 +478,65 @@ def _chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
         raise APIError("messages must be a non-empty list", param="messages")
     out = []
     for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                                   param=f"messages.{i}.content")
-                texts.append(part.text)
-            content = "".join(texts)
+        content = _content_text(m.content, i)
         message = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             message["name"] = m.name
+        for key in ("content", "name"):
+            _check_unicode(message[key] if key in message else "", f"messages[{i}].{key}", f"messages.{i}.{key}")
         message.update(_tool_fields(m, i))
         out.append(message)
     return out
+
+
+# content part types that hold text: OpenAI's, the Responses API's spelling, and an earlier turn's refusal
+_TEXT_PARTS = {"text": "text", "input_text": "text", "refusal": "refusal"}
+
+
+def _content_text(content, i: int):
+    """A message's content as one string: text parts joined by newlines (as vLLM joins them, so that parts do not
+    run into each other)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        field = _TEXT_PARTS.get(part.type)
+        text = getattr(part, field) if field else None
+        if text is None:
+            raise APIError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                           param=f"messages.{i}.content")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _check_unicode(text: str, where: str, param: str):
+    """A lone surrogate (JSON allows "\\ud800") cannot be encoded, so the tokenizer would refuse it with its own
+    words."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(f"{where} is not valid Unicode text (a lone surrogate)", param=param) from None
+
+
+def _check_unimplemented_extras(req):
+    for name, neutral in P.UNIMPLEMENTED_EXTRAS.items():
+        _reject_unless(getattr(req, name) in neutral, name, f"{name} is not supported")
+
+
+def _chat_tools(req: P.ChatCompletionRequest) -> list | None:
+    """The tools the template gets: `tools`, and the deprecated `functions` in tools' form. Only with tool_choice
+    (function_call) "none": the server parses no tool calls, so it takes them only where the client says so
+    (agent frameworks often send them every time)."""
+    functions = [{"type": "function", "function": f} for f in req.functions or []]
+    _reject_unless(not req.tools or req.tool_choice == "none", "tools",
+                   'tools are supported with tool_choice "none" only (this server does not parse tool calls)')
+    _reject_unless(req.tool_choice in (None, "none"), "tool_choice", 'tool_choice other than "none" is not '
+                   "supported")
+    _reject_unless(not functions or req.function_call == "none", "functions",
+                   'functions are supported with function_call "none" only (this server does not parse calls)')
+    _reject_unless(req.function_call in (None, "none"), "function_call", 'function_call other than "none" is not '
+                   "supported")
+    return (req.tools or []) + functions or None
 
 
 def _tool_fields(m: P.ChatMessage, i: int) -> dict:
@@ -597,12 +642,18 @@ def _usage(gen: Generation, completion_tokens: int) -> P.Usage:
                    total_tokens=gen.prompt_tokens + completion_tokens)
 
 
+# Characters that end a line for Python's str.splitlines() (httpx's iter_lines, requests' iter_lines with
+# decode_unicode) but not for SSE: written raw into an event, they would cut it in two for such readers
+# (the ASCII ones among them are control characters, which JSON escapes anyway)
+_LINE_BREAKS_TO_ESCAPE = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def _sse(model: P.BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+    return f"data: {model.model_dump_json().translate(_LINE_BREAKS_TO_ESCAPE)}\n\n"
 
 
 def _sse_error(e: APIError) -> str:
-    return f"data: {json.dumps(e.body())}\n\n"
+    return f"data: {json.dumps(e.body())}\n\n"  # json.dumps escapes every non-ASCII and control character
 
 
 def _stop_reason(c):
@@ -622,8 +673,10 @@ def _is_type_tag(loc_part: str) -> bool:
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None = None,
-              tokenizer_workers: int = 2) -> FastAPI:
-    """The ASGI app around a started engine loop: an AsyncEngine (this process) or an EngineProcess (its own)."""
+              tokenizer_workers: int = 2, allowed_origins=("*",)) -> FastAPI:
+    """The ASGI app around a started engine loop: an AsyncEngine (this process) or an EngineProcess (its own).
+    allowed_origins: the web pages (origins) whose scripts may call the API from a browser (CORS), "*" any (as
+    vLLM's default: browser chat front-ends call the server directly); empty, none."""
     state = ServerState(async_engine, model_name, max_queue, tokenizer_workers)
 
     @contextlib.asynccontextmanager
@@ -634,6 +687,9 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
     app = FastAPI(title="eightbit", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(_CountResponses, metrics=state.metrics)
+    if allowed_origins:  # added last, so outermost: a browser's preflight (OPTIONS) is answered, and not counted
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -687,7 +743,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
     async def models():
         return P.ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}")  # :path, since model ids have slashes ("org/name")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])  # :path: ids have slashes ("org/name")
     async def model(model_id: str):
         _check_model(state, model_id)
         return model_card()
@@ -699,6 +755,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         _reject_unless(not req.echo, "echo", "echo is not supported")
         _reject_unless(req.suffix is None, "suffix", "suffix is not supported")
         _reject_unless(req.best_of in (None, req.n), "best_of", "best_of other than n is not supported")
+        _check_unimplemented_extras(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
         _check_completion_needs_no_text(state, req)
@@ -740,14 +797,14 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         _need_tokenizer(state, True, "messages", "chat needs its chat template and tokenizer; use /v1/completions "
                         "with token-id prompts")
         messages = _chat_messages(req)
-        # tools reach the chat template (the model may read them) but are never called: the server parses no tool
-        # calls, so it takes them only where the client says so (agent frameworks often send them every time)
-        _reject_unless(not req.tools or req.tool_choice == "none", "tools",
-                       'tools are supported with tool_choice "none" only (this server does not parse tool calls)')
-        _reject_unless(req.tool_choice in (None, "none"), "tool_choice", 'tool_choice other than "none" is not '
-                       "supported")
+        tools = _chat_tools(req)  # they reach the chat template (the model may read them) but are never called
         _reject_unless(req.response_format is None or req.response_format.get("type") == "text",
                        "response_format", "only response_format {\"type\": \"text\"} is supported")
+        _reject_unless(not req.echo, "echo", "echo is not supported")
+        _check_unimplemented_extras(req)
+        if req.continue_final_message and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
+            raise APIError("continue_final_message needs add_generation_prompt: false and an assistant message last",
+                           param="continue_final_message")
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -760,8 +817,10 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         params = _sampling_params(req, max_tokens, top_k, max_tokens_field)
         _check_limits(state, params, 1)
         _check_template_kwargs(state, req.chat_template_kwargs)
-        template_kwargs = dict(req.chat_template_kwargs or {}, **({"tools": req.tools} if req.tools else {}))
+        template_kwargs = dict(req.chat_template_kwargs or {}, **({"tools": tools} if tools else {}))
         _check_chars(state, _template_chars(messages, template_kwargs), "messages")
+        if req.continue_final_message:  # apply_chat_template's own option (after the count: it is not text)
+            template_kwargs["continue_final_message"] = True
         try:
             prompt = await state.tokenizers.run(state.tokenizers.chat_prompt, messages, req.add_generation_prompt,
                                                 template_kwargs)

@@ -58,6 +58,9 @@ def add_serve_parser(subparsers):
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own, so that it does not share the interpreter "
                         "lock with the HTTP server (default: on; --no-engine-process runs it in a thread)")
+    p.add_argument("--allowed-origins", type=_origins, default=("*",), metavar="ORIGINS",
+                   help="comma-separated web origins (e.g. http://localhost:3000) whose pages may call the API "
+                        "from a browser (CORS); '*' any (default, as vLLM), '' none")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -117,7 +120,7 @@ def check_address(host, port):
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2):
+def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2, allowed_origins=("*",)):
     """(engine loop started, FastAPI app). engine: an LLMEngine (its loop then runs in a thread of this process), or
     an engine loop (an EngineProcess, an AsyncEngine)."""
     from eightbit.engine.server.api import build_app
@@ -125,7 +128,12 @@ def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2):
 
     loop = (engine if hasattr(engine, "submit") else AsyncEngine(engine)).start()
     name = model_name or default_model_name(loop.info.model)
-    return loop, build_app(loop, name, max_queue=max_queue, tokenizer_workers=tokenizer_workers)
+    return loop, build_app(loop, name, max_queue=max_queue, tokenizer_workers=tokenizer_workers,
+                           allowed_origins=allowed_origins)
+
+
+def _origins(text: str) -> tuple:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 def _at_least_one(text: str) -> int:
@@ -144,7 +152,8 @@ def run_serve(args) -> int:
     config = EngineConfig(model=args.model, **serve_engine_options(args))
     engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     freeze_startup_heap()  # this process is the server's (the engine process freezes its own)
-    async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers)
+    async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers,
+                                     args.allowed_origins)
     server = uvicorn_server(app, engine=async_engine, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=args.timeout_keep_alive,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
@@ -237,8 +246,9 @@ class BackgroundServer:
     """
 
     def __init__(self, engine, host="127.0.0.1", port=0, model_name=None, max_queue=None, tokenizer_workers=2,
-                 log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S):
-        self.async_engine, self.app = build_server(engine, model_name, max_queue, tokenizer_workers)
+                 log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, allowed_origins=("*",)):
+        self.async_engine, self.app = build_server(engine, model_name, max_queue, tokenizer_workers,
+                                                   allowed_origins)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))

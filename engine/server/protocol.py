@@ -1,18 +1,22 @@
 """Request and response bodies of the OpenAI-compatible API (the subset eightbit serves).
 
-Request models ignore fields they do not know (clients send extras); integer fields are strict (a JSON true,
-false or 3.0 is a 400, not 1, 0 or 3: `"logprobs": false` must not ask for log-probs); fields that would change
-the output but are not implemented are accepted only at their neutral value and rejected with a
-400 otherwise (see api.py). vLLM-style extras (top_k, min_p, ignore_eos, stop_token_ids,
-skip_special_tokens) ride in the body, e.g. via the openai client's ``extra_body``.
+Request models ignore fields they do not know (clients send extras; the first request with a field of a new name
+logs it); integer fields are strict (a JSON true, false or 3.0 is a 400, not 1, 0 or 3: `"logprobs": false` must not
+ask for log-probs); fields that would change the output but are not implemented (OpenAI's, and vLLM's in
+UNIMPLEMENTED_EXTRAS) are accepted only at their neutral value and rejected with a 400 otherwise (see api.py), so
+that a client relying on one gets an error rather than an answer that ignores it. vLLM-style extras (top_k, min_p,
+ignore_eos, stop_token_ids, skip_special_tokens) ride in the body, e.g. via the openai client's ``extra_body``.
 """
 
+import logging
 import time
 import typing
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+
+log = logging.getLogger("eightbit.server")
 
 
 class APIError(Exception):
@@ -51,8 +55,21 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
+        _log_new_unknown_fields(cls, data)
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required() or _nullable(fields[k].annotation)}
+
+
+_unknown_fields_logged: set = set()
+
+
+def _log_new_unknown_fields(cls, data: dict):
+    """Log the request fields this server ignores, each name once per process (clients send the same ones with
+    every request)."""
+    new = sorted(k for k in data if k not in cls.model_fields and (cls.__name__, k) not in _unknown_fields_logged)
+    if new:
+        _unknown_fields_logged.update((cls.__name__, k) for k in new)
+        log.warning("%s: ignoring field(s) this server does not use: %s", cls.__name__, ", ".join(map(str, new)))
 
 
 def _nullable(annotation) -> bool:
@@ -86,6 +103,28 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     min_tokens: StrictInt = 0
     include_stop_str_in_output: bool = False
+    # vLLM extras that change the output and are not implemented: declared so that api.py can refuse them
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+
+
+# each unimplemented vLLM extra above and the values that leave the output as it would be without it
+UNIMPLEMENTED_EXTRAS = {
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
+}
 
 
 class CompletionRequest(_SamplingFields):
@@ -101,6 +140,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    refusal: str | None = None  # a "refusal" part of an earlier assistant turn
 
 
 class ChatMessage(BaseModel):
@@ -118,9 +158,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    functions: list[dict] | None = None  # the deprecated form of tools ...
+    function_call: str | dict | None = None  # ... and of tool_choice
     response_format: dict | None = None
     add_generation_prompt: bool = True  # vLLM extra
+    continue_final_message: bool = False  # vLLM extra: the last (assistant) message is continued, not closed
     chat_template_kwargs: dict | None = None  # vLLM extra, passed to apply_chat_template
+    echo: bool = False  # vLLM extra (the last message echoed back), not implemented
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -194,15 +238,15 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-def _is_none(value) -> bool:
-    return value is None
-
-
 class DeltaMessage(BaseModel):
     """A stream chunk's delta: only the fields it carries are sent (as OpenAI does)."""
 
-    role: str | None = Field(default=None, exclude_if=_is_none)
-    content: str | None = Field(default=None, exclude_if=_is_none)
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
