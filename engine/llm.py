@@ -143,14 +143,13 @@ class LLM:
         """One prompt (a str, a {"prompt" | "prompt_token_ids": ...} dict or a list of token ids) or a list of
         them -> the list. A list is one prompt of ids if every element is a number (Python, numpy or torch scalars;
         a float among them is the engine's error to name); otherwise each element is a prompt, and the error names
-        the malformed one (prompts[i]). A 1-D numpy array or torch tensor is one prompt of ids, a 2-D one a prompt per row."""
+        the malformed one (prompts[i]). An array (numpy, torch, a pandas column) is read as its list: 1-D numbers are
+        one prompt of ids, 1-D strings a prompt each, a 2-D one a prompt per row."""
+        if getattr(prompts, "ndim", None) in (1, 2) and hasattr(prompts, "tolist"):
+            prompts = prompts.tolist()  # a 2-D array's rows, a column's strings: the list of prompts below
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and all(_is_number(t) for t in prompts)):
             return [prompts]  # one prompt of ids (a float among them: the engine says which)
-        if getattr(prompts, "ndim", None) in (1, 2) and hasattr(prompts, "tolist"):
-            prompts = prompts.tolist()  # a 2-D array's rows: the list of prompts below
-            if prompts and not isinstance(prompts[0], list):
-                return [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
                             f"got {type(prompts).__name__}")

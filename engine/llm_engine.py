@@ -454,6 +454,12 @@ class LLMEngine:
         finished = request.is_finished
         if finished:
             self.requests.pop(request.request_id, None)
+            # aborted before its prompt finished, an n > 1 request has not forked its samples: report all n
+            params = request.params
+            outputs += [CompletionOutput(index=i, text="", token_ids=[], finish_reason=outputs[0].finish_reason,
+                                         cumulative_logprob=0.0 if params.logprobs is not None else None,
+                                         logprobs=[] if params.logprobs is not None else None)
+                        for i in range(len(outputs), params.n)]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              request.prompt_logprobs, outputs, finished)
 

@@ -414,6 +414,19 @@ def test_numpy_and_torch_token_ids_are_prompts_like_ints(llm):
         llm.generate([[1, 1.5]], use_tqdm=False)
 
 
+def test_an_array_of_prompt_strings_is_a_prompt_each(llm):
+    """A column of prompts (np.array of str, df["prompt"].values) is a list of prompts, as its list is; it was read
+    as one prompt of token ids and refused in words about the vocabulary."""
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=3)
+    want = [o.outputs[0].text for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    for column in (np.array(PROMPTS[:2]), np.array(PROMPTS[:2], dtype=object)):
+        assert [o.outputs[0].text for o in llm.generate(column, params, use_tqdm=False)] == want
+        finals = {i: o.outputs[0].text for i, o in llm.stream(column, params) if o.finished}
+        assert [finals[0], finals[1]] == want
+
+
 def test_vllm_dict_prompts_and_one_element_tensors(llm):
     """vLLM's TextPrompt / TokensPrompt dicts are prompts; a list whose elements are one-element tensors is a list
     of prompts (a batch of one-token prompts), not one prompt made of their values."""
@@ -489,6 +502,20 @@ def test_abort_frees_blocks_at_once(llm):
     [out] = engine.step()
     assert out.request_id == "long" and out.finished and out.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
+
+
+def test_a_request_of_n_samples_aborted_during_its_prompt_reports_n_outputs(make_llm):
+    """Its samples fork only once the prompt is done; aborted before, it still reports all n (as vLLM), each empty,
+    rather than one output for n requested choices."""
+    engine = make_llm(max_num_batched_tokens=16).engine
+    ids = list(range(1, 60))  # 4 chunks of 16
+    engine.add_request("a", ids, SamplingParams(n=3, max_tokens=5, logprobs=1))
+    engine.step()  # its first chunk
+    engine.abort("a")
+    [out] = engine.step()
+    assert out.finished and [(c.index, c.finish_reason, c.token_ids, c.logprobs) for c in out.outputs] == [
+        (i, "abort", [], []) for i in range(3)]
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 def test_max_num_seqs_holds_for_requests_with_several_samples(make_llm):
