@@ -178,8 +178,16 @@ def _kind_name(kind) -> str:
 
 
 def _is_number(t) -> bool:
-    """A scalar number of any kind (Python, numpy, a 0-d tensor), not a bool: an element of a prompt of ids."""
-    return not isinstance(t, bool) and (isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0)
+    """A scalar number of any kind (Python, numpy, a 0-d tensor), not a bool: an element of a prompt of ids. (numpy's
+    str_ and bool_ scalars are 0-d too: a list of np.str_ is a list of prompts.)"""
+    if isinstance(t, bool):
+        return False
+    if isinstance(t, numbers.Number):
+        return True
+    dtype = getattr(t, "dtype", None) if getattr(t, "ndim", None) == 0 else None
+    if hasattr(dtype, "kind"):  # numpy: signed, unsigned, float
+        return dtype.kind in "iuf"
+    return dtype is not None and dtype.is_floating_point or str(dtype).startswith(("torch.int", "torch.uint"))
 
 
 def _check_conversation(messages):

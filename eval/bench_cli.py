@@ -294,10 +294,12 @@ def against_best_copy(records):
 
 
 def throughput_rows(records):
-    """Latest throughput record per (system, num_requests), with the int8 speed-up at the same list."""
+    """Latest throughput record per (system, num_requests, batch size: a peer may run at several), with the int8
+    speed-up at the same list."""
     from eightbit.eval.bench_common import latest
 
-    recs = latest([r for r in records if r.get("bench") == "throughput"], lambda r: (r["system"], r.get("num_requests")))
+    recs = latest([r for r in records if r.get("bench") == "throughput"],
+                  lambda r: (r["system"], r.get("num_requests"), r.get("batch_size")))
     int8 = {r["num_requests"]: r for r in recs if r["system"] == "eightbit-int8" and r.get("ok") and not r.get("partial")}
     full = max(int8) if int8 else None
     rows = []
@@ -521,12 +523,14 @@ def check_goals(records) -> list[dict]:
         goal("throughput W8A8+KV8 / eightbit bf16", ratio, ">= 1.5", ratio >= 1.5, f"{n} requests")
     else:
         goal("throughput W8A8+KV8 / eightbit bf16", None, ">= 1.5", None, "missing a complete run of both")
-    # HF's best batch size: its fastest complete run on the same requests as an int8 run (thr keeps only the latest
-    # run per request count, which a second call at another batch size replaced); a partial run only without one
+    # HF's best batch size: its fastest run on the largest request list that an int8 run has too (thr keeps only the
+    # latest run per list, which a second call at another batch size replaced), complete runs before partial ones
     hf_runs = [r for r in records if r.get("bench") == "throughput" and r.get("ok") and r["system"] == "hf-bf16-compile"]
     if hf_runs:
-        complete = [r for r in hf_runs if not r.get("partial")] or hf_runs
-        h = max(complete, key=lambda r: (("eightbit-int8", r["num_requests"]) in by, r["output_tok_s"]))
+        paired = [r for r in hf_runs if ("eightbit-int8", r["num_requests"]) in by] or hf_runs
+        largest = max(r["num_requests"] for r in paired)
+        same = [r for r in paired if r["num_requests"] == largest]
+        h = max([r for r in same if not r.get("partial")] or same, key=lambda r: r["output_tok_s"])
         n = h["num_requests"]
         ref = by.get(("eightbit-int8", n))  # the same requests only: other lists are other workloads
         detail = f"HF at batch {h.get('batch_size')} on {n} requests"

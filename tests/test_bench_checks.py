@@ -48,6 +48,18 @@ def test_hf_throughput_goal_compares_the_same_requests_only():
     partial = later + [thr("hf-bf16-compile", 64, 900.0, batch_size=64, partial=True)]  # stopped at its cap
     goal = next(g for g in check_goals(partial) if "HF bf16 compiled" in g["goal"])
     assert goal["value"] == pytest.approx(10.0)
+    # another workload's HF run (no int8 run on its list) is not compared; a partial run with a reference is
+    other = later + [thr("hf-bf16-compile", 128, 2000.0, batch_size=64)]
+    assert next(g for g in check_goals(other) if "HF bf16 compiled" in g["goal"])["value"] == pytest.approx(10.0)
+    only_partial = [thr("eightbit-int8", 64, 5000.0), thr("hf-bf16-compile", 128, 800.0, batch_size=64),
+                    thr("hf-bf16-compile", 64, 500.0, batch_size=64, partial=True)]
+    goal = next(g for g in check_goals(only_partial) if "HF bf16 compiled" in g["goal"])
+    assert goal["value"] == pytest.approx(10.0) and "partial" in goal["detail"]
+    # the table shows each batch size's run, so it agrees with the goal
+    from eightbit.eval.bench_cli import throughput_rows
+
+    rows = [r for r in throughput_rows(later) if r["system"] == "hf-bf16-compile"]
+    assert sorted((r["batch"], r["output_tok_s"]) for r in rows) == [(16, 500.0), (32, 400.0)]
 
 
 def test_latency_table_shows_the_ttft_peers_are_compared_on():

@@ -415,13 +415,13 @@ def test_numpy_and_torch_token_ids_are_prompts_like_ints(llm):
 
 
 def test_an_array_of_prompt_strings_is_a_prompt_each(llm):
-    """A column of prompts (np.array of str, df["prompt"].values) is a list of prompts, as its list is; it was read
-    as one prompt of token ids and refused in words about the vocabulary."""
+    """A column of prompts (np.array of str, df["prompt"].values, a list of numpy strings) is a list of prompts, as
+    its list is; it was read as one prompt of token ids and refused in words about the vocabulary."""
     import numpy as np
 
     params = SamplingParams(temperature=0, max_tokens=3)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
-    for column in (np.array(PROMPTS[:2]), np.array(PROMPTS[:2], dtype=object)):
+    for column in (np.array(PROMPTS[:2]), np.array(PROMPTS[:2], dtype=object), list(np.array(PROMPTS[:2]))):
         assert [o.outputs[0].text for o in llm.generate(column, params, use_tqdm=False)] == want
         finals = {i: o.outputs[0].text for i, o in llm.stream(column, params) if o.finished}
         assert [finals[0], finals[1]] == want

@@ -75,7 +75,8 @@ def wait_idle(server, timeout=10.0) -> dict:
 def post(server, path, body, **kw):
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     kw.setdefault("timeout", 120)
-    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, **kw)
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return httpx.post(server.url + path, content=content, headers=headers, **kw)
 
 
 def parallel(*calls):
@@ -400,8 +401,10 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
     key = 'eightbit_http_responses_total{endpoint="/v1/completions",status="500"}'
     before = metrics(server).get(key, 0)
     monkeypatch.setattr(api, "_check_limits", broken)
-    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2},
+                headers={"origin": "http://localhost:3000"})
     assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"  # OpenAI's type for a 5xx
+    assert resp.headers["access-control-allow-origin"] == "http://localhost:3000"  # so that a browser shows it
     assert "a bug" not in resp.text  # the details are for the server's log, not the client
     assert metrics(server)[key] == before + 1
 
@@ -489,10 +492,7 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 5}, 400, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
      "echo"),
-    # continuing a final message needs one, from the assistant, and no generation prompt after it
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "continue_final_message": True, "add_generation_prompt": False}, 400,
-     "continue_final_message"),
+    # continuing the final message: no generation prompt after it
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"},
                                                            {"role": "assistant", "content": "y"}],
                               "continue_final_message": True}, 400, "continue_final_message"),
@@ -697,18 +697,21 @@ def test_vllm_extras_at_their_neutral_values_are_taken(server):
 
 
 def test_continue_final_message_continues_the_assistant_s_last_words(client, offline):
-    """vLLM's continue_final_message: the template renders the last (assistant) message open, without its end of
-    turn, and the reply continues it. Reference: HF's apply_chat_template with the same option, generated from
-    offline."""
-    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    """vLLM's continue_final_message: the template renders the last message (the assistant's first words, or any)
+    open, without its end of turn, and the reply continues it. Reference: HF's apply_chat_template with the same
+    option, generated from offline."""
     tok = offline.get_tokenizer()
-    text = tok.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False, tokenize=False)
-    assert text.endswith("The colour is")
-    ids = tok(text, add_special_tokens=False).input_ids
-    ref = offline.generate([ids], greedy(6), use_tqdm=False)[0].outputs[0].text
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={
-        "continue_final_message": True, "add_generation_prompt": False})
-    assert out.choices[0].message.content == ref and ref.strip()
+    for last in ({"role": "assistant", "content": "The colour is"}, {"role": "user", "content": "1, 2, 3, 4,"}):
+        messages = [{"role": "user", "content": "Name a colour."}, last][-2 if last["role"] == "assistant" else -1:]
+        text = tok.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False,
+                                       tokenize=False)
+        assert text.endswith(last["content"])
+        ids = tok(text, add_special_tokens=False).input_ids
+        ref = offline.generate([ids], greedy(6), use_tqdm=False)[0].outputs[0].text
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                             extra_body={"continue_final_message": True,
+                                                         "add_generation_prompt": False})
+        assert out.choices[0].message.content == ref and ref.strip()
 
 
 def test_text_parts_are_joined_by_newlines(server, monkeypatch):

@@ -186,30 +186,35 @@ def test_a_shutdown_answers_the_requests_still_open_with_a_503():
     assert not engine.requests  # their engine requests were aborted
 
 
-def test_browser_pages_may_call_the_api_cross_origin(server):
-    """CORS, as vLLM's default: a browser's preflight is answered (not counted as an API response) and every answer
-    names the origins allowed."""
-    preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST",
-                 "access-control-request-headers": "authorization,content-type"}
+def test_pages_served_from_this_machine_may_call_the_api_from_a_browser(server):
+    """CORS, by default for local pages only (the server has no API keys: any page the user has open must not use
+    it): a local page's preflight is answered (and not counted as an API response), every answer names it; another
+    site's preflight is refused."""
+    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "content-type"}
     counts = server.app.state.server.metrics.requests
     before = dict(counts)
-    resp = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
-    assert resp.status_code == 200, resp.text
-    assert resp.headers["access-control-allow-origin"] == "*"
-    assert "POST" in resp.headers["access-control-allow-methods"]
+    for origin in ("http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443"):
+        resp = httpx.options(server.url + "/v1/chat/completions", headers={"origin": origin, **preflight})
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == origin, resp.text
+        assert "POST" in resp.headers["access-control-allow-methods"]
     assert counts.get(("/v1/chat/completions", 200), 0) == before.get(("/v1/chat/completions", 200), 0)
     resp = httpx.post(server.url + "/v1/completions", headers={"origin": "http://localhost:3000"},
                       json={"model": model_id(server), "prompt": PROMPT, "max_tokens": 1})
-    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "http://localhost:3000"
+    for origin in ("https://evil.test", "http://localhost.evil.test"):
+        resp = httpx.options(server.url + "/v1/chat/completions", headers={"origin": origin, **preflight})
+        assert resp.status_code == 400 and "access-control-allow-origin" not in resp.headers
 
 
-def test_allowed_origins_narrow_cross_origin_calls():
+def test_allowed_origins_choose_which_pages_may_call_the_api():
     from eightbit.engine.server.cli import _origins
 
-    assert _origins("http://a.test, http://b.test,") == ("http://a.test", "http://b.test") and _origins("") == ()
+    assert _origins("http://a.test, *,") == ("http://a.test", "*") and _origins("") == ()
     preflight = {"access-control-request-method": "POST"}
-    for origins, origin, allowed in [(("http://a.test",), "http://a.test", "http://a.test"),
-                                     (("http://a.test",), "http://evil.test", None), ((), "http://a.test", None)]:
+    for origins, origin, allowed in [(("*",), "https://any.test", "*"), (("http://a.test",), "http://a.test",
+                                                                         "http://a.test"),
+                                     (("http://a.test",), "http://localhost:3000", None),
+                                     ((), "http://localhost:3000", None)]:
         srv = BackgroundServer(LLMEngine(EngineConfig(**ENGINE_OPTIONS)), allowed_origins=origins).start()
         try:
             resp = httpx.options(srv.url + "/v1/completions", headers={"origin": origin, **preflight})
@@ -219,3 +224,24 @@ def test_allowed_origins_narrow_cross_origin_calls():
             assert resp.status_code == 200 and resp.headers.get("access-control-allow-origin") == allowed
         finally:
             srv.stop()
+
+
+def test_unknown_fields_are_logged_once_each_and_boundedly(server, caplog, monkeypatch):
+    from eightbit.engine.server import protocol
+
+    monkeypatch.setattr(protocol, "_unknown_fields_logged", set())
+    body = {"model": model_id(server), "prompt": PROMPT, "max_tokens": 1, "some_vendor_field": 1}
+    with caplog.at_level("WARNING", logger="eightbit.server"):
+        for _ in range(2):
+            assert post(server, "/v1/completions", body).status_code == 200
+        flood = {f"x{i}": 1 for i in range(2 * protocol.MAX_UNKNOWN_FIELDS_LOGGED)}
+        for _ in range(2):
+            assert post(server, "/v1/completions", {**body, **flood}).status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "ignoring field" in r.getMessage()]
+    assert "some_vendor_field" in logged[0] and len(logged) == 2  # once, then the flood's first names, then nothing
+    assert len(protocol._unknown_fields_logged) == protocol.MAX_UNKNOWN_FIELDS_LOGGED
+    assert "no more unknown fields will be logged" in logged[1]
+    monkeypatch.setattr(protocol, "_unknown_fields_logged", set())
+    with caplog.at_level("WARNING", logger="eightbit.server"):
+        post(server, "/v1/completions", {**body, "a\nERROR forged line": 1})
+    assert "\n" not in caplog.records[-1].getMessage() and "'a\\nERROR forged line'" in caplog.records[-1].getMessage()

@@ -672,12 +672,28 @@ def _is_type_tag(loc_part: str) -> bool:
     return loc_part in _TYPE_TAGS or "[" in loc_part
 
 
+# CORS: the keyword for pages served from this machine (localhost, 127.0.0.1, [::1], any port or scheme); any
+# other web page the user has open is refused, since the server has no API keys
+LOCAL_ORIGINS = "local"
+_LOCAL_ORIGIN_RE = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def _cors_options(allowed_origins) -> dict | None:
+    """CORSMiddleware's arguments for the allowed origins (origins, "*", LOCAL_ORIGINS); None for none."""
+    origins = [o for o in allowed_origins if o != LOCAL_ORIGINS]
+    regex = _LOCAL_ORIGIN_RE if LOCAL_ORIGINS in allowed_origins else None
+    if not origins and regex is None:
+        return None
+    return dict(allow_origins=origins, allow_origin_regex=regex, allow_methods=["*"], allow_headers=["*"])
+
+
 def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None = None,
-              tokenizer_workers: int = 2, allowed_origins=("*",)) -> FastAPI:
+              tokenizer_workers: int = 2, allowed_origins=(LOCAL_ORIGINS,)) -> FastAPI:
     """The ASGI app around a started engine loop: an AsyncEngine (this process) or an EngineProcess (its own).
-    allowed_origins: the web pages (origins) whose scripts may call the API from a browser (CORS), "*" any (as
-    vLLM's default: browser chat front-ends call the server directly); empty, none."""
+    allowed_origins: the web origins whose pages may call the API from a browser (CORS): origins, "*" (any) or
+    LOCAL_ORIGINS; empty, none."""
     state = ServerState(async_engine, model_name, max_queue, tokenizer_workers)
+    cors = _cors_options(allowed_origins)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -687,9 +703,11 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
     app = FastAPI(title="eightbit", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(_CountResponses, metrics=state.metrics)
-    if allowed_origins:  # added last, so outermost: a browser's preflight (OPTIONS) is answered, and not counted
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+    if cors:  # added last, so outermost: a browser's preflight (OPTIONS) is answered, and not counted
+        app.add_middleware(CORSMiddleware, **cors)
+    # the 500 of an unhandled error is made outside every middleware (Starlette's), so it adds CORS's header itself:
+    # a browser shows a failed call's body only with it
+    cors_check = CORSMiddleware(None, **cors) if cors else None
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -722,8 +740,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unhandled error")  # the details go to the log, not to the client
+        origin = request.headers.get("origin")
+        headers = None
+        if cors_check is not None and origin and cors_check.is_allowed_origin(origin):
+            headers = {"access-control-allow-origin": "*" if cors_check.allow_all_origins else origin, "vary": "Origin"}
         return JSONResponse(APIError("internal server error", status=500, type="server_error").body(),
-                            status_code=500)
+                            status_code=500, headers=headers)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -802,9 +824,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
                        "response_format", "only response_format {\"type\": \"text\"} is supported")
         _reject_unless(not req.echo, "echo", "echo is not supported")
         _check_unimplemented_extras(req)
-        if req.continue_final_message and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
-            raise APIError("continue_final_message needs add_generation_prompt: false and an assistant message last",
-                           param="continue_final_message")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt: false", param="continue_final_message")
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -825,7 +846,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
             prompt = await state.tokenizers.run(state.tokenizers.chat_prompt, messages, req.add_generation_prompt,
                                                 template_kwargs)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
-            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+            reason = str(e) if len(str(e)) <= 500 else str(e)[:500] + " ..."  # HF's may quote the whole prompt
+            raise APIError(f"cannot apply the chat template: {reason}", param="messages") from None
         _check_length(state, [prompt], max_tokens, params.min_tokens, max_tokens_field, "messages")
         request_id = P.random_id("chatcmpl")
         gen = Generation(state, request_id, [prompt], params, raw_request, arrival)

@@ -58,9 +58,10 @@ def add_serve_parser(subparsers):
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own, so that it does not share the interpreter "
                         "lock with the HTTP server (default: on; --no-engine-process runs it in a thread)")
-    p.add_argument("--allowed-origins", type=_origins, default=("*",), metavar="ORIGINS",
-                   help="comma-separated web origins (e.g. http://localhost:3000) whose pages may call the API "
-                        "from a browser (CORS); '*' any (default, as vLLM), '' none")
+    p.add_argument("--allowed-origins", type=_origins, default=("local",), metavar="ORIGINS",
+                   help="comma-separated web origins (e.g. https://chat.example.com) whose pages may call the API "
+                        "from a browser (CORS); 'local' (the default) pages served from this machine (localhost, "
+                        "127.0.0.1, [::1], any port), '*' any page the user has open (vLLM's default), '' none")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -120,7 +121,7 @@ def check_address(host, port):
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2, allowed_origins=("*",)):
+def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2, allowed_origins=("local",)):
     """(engine loop started, FastAPI app). engine: an LLMEngine (its loop then runs in a thread of this process), or
     an engine loop (an EngineProcess, an AsyncEngine)."""
     from eightbit.engine.server.api import build_app
@@ -246,7 +247,7 @@ class BackgroundServer:
     """
 
     def __init__(self, engine, host="127.0.0.1", port=0, model_name=None, max_queue=None, tokenizer_workers=2,
-                 log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, allowed_origins=("*",)):
+                 log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, allowed_origins=("local",)):
         self.async_engine, self.app = build_server(engine, model_name, max_queue, tokenizer_workers,
                                                    allowed_origins)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

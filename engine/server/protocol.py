@@ -61,15 +61,23 @@ class _Request(BaseModel):
 
 
 _unknown_fields_logged: set = set()
+MAX_UNKNOWN_FIELDS_LOGGED = 100  # a client sending made-up names must not grow the set, or the log, without bound
 
 
 def _log_new_unknown_fields(cls, data: dict):
     """Log the request fields this server ignores, each name once per process (clients send the same ones with
-    every request)."""
-    new = sorted(k for k in data if k not in cls.model_fields and (cls.__name__, k) not in _unknown_fields_logged)
+    every request), the first MAX_UNKNOWN_FIELDS_LOGGED names only."""
+    room = MAX_UNKNOWN_FIELDS_LOGGED - len(_unknown_fields_logged)
+    if room <= 0:
+        return
+    new = sorted(str(k)[:64] for k in data if k not in cls.model_fields
+                 and (cls.__name__, str(k)[:64]) not in _unknown_fields_logged)[:room]
     if new:
         _unknown_fields_logged.update((cls.__name__, k) for k in new)
-        log.warning("%s: ignoring field(s) this server does not use: %s", cls.__name__, ", ".join(map(str, new)))
+        last = len(_unknown_fields_logged) >= MAX_UNKNOWN_FIELDS_LOGGED
+        log.warning("%s: ignoring field(s) this server does not use: %s%s", cls.__name__,
+                    ", ".join(map(ascii, new)),  # escaped: a name with a newline must not forge a log line
+                    " (no more unknown fields will be logged)" if last else "")
 
 
 def _nullable(annotation) -> bool:
