@@ -185,9 +185,11 @@ def _is_number(t) -> bool:
     if isinstance(t, numbers.Number):
         return True
     dtype = getattr(t, "dtype", None) if getattr(t, "ndim", None) == 0 else None
+    if dtype is None:
+        return False
     if hasattr(dtype, "kind"):  # numpy: signed, unsigned, float
         return dtype.kind in "iuf"
-    return dtype is not None and dtype.is_floating_point or str(dtype).startswith(("torch.int", "torch.uint"))
+    return dtype.is_floating_point or str(dtype).startswith(("torch.int", "torch.uint"))  # torch
 
 
 def _check_conversation(messages):

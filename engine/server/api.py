@@ -483,7 +483,7 @@ def _chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
         if m.name is not None:
             message["name"] = m.name
         for key in ("content", "name"):
-            _check_unicode(message[key] if key in message else "", f"messages[{i}].{key}", f"messages.{i}.{key}")
+            _check_unicode(message.get(key, ""), f"messages[{i}].{key}", f"messages.{i}.{key}")
         message.update(_tool_fields(m, i))
         out.append(message)
     return out
@@ -846,7 +846,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
             prompt = await state.tokenizers.run(state.tokenizers.chat_prompt, messages, req.add_generation_prompt,
                                                 template_kwargs)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
-            reason = str(e) if len(str(e)) <= 500 else str(e)[:500] + " ..."  # HF's may quote the whole prompt
+            reason = str(e)
+            reason = reason if len(reason) <= 500 else reason[:500] + " ..."  # HF's may quote the whole prompt
             raise APIError(f"cannot apply the chat template: {reason}", param="messages") from None
         _check_length(state, [prompt], max_tokens, params.min_tokens, max_tokens_field, "messages")
         request_id = P.random_id("chatcmpl")

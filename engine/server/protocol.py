@@ -14,7 +14,7 @@ import typing
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, model_serializer, model_validator
 
 log = logging.getLogger("eightbit.server")
 
@@ -70,8 +70,8 @@ def _log_new_unknown_fields(cls, data: dict):
     room = MAX_UNKNOWN_FIELDS_LOGGED - len(_unknown_fields_logged)
     if room <= 0:
         return
-    new = sorted(str(k)[:64] for k in data if k not in cls.model_fields
-                 and (cls.__name__, str(k)[:64]) not in _unknown_fields_logged)[:room]
+    names = {str(k)[:64] for k in data if k not in cls.model_fields}
+    new = sorted(k for k in names if (cls.__name__, k) not in _unknown_fields_logged)[:room]
     if new:
         _unknown_fields_logged.update((cls.__name__, k) for k in new)
         last = len(_unknown_fields_logged) >= MAX_UNKNOWN_FIELDS_LOGGED
@@ -88,7 +88,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+# vLLM extras that change the output and are not implemented, each with the values that leave the output as it
+# would be without it; declared as fields (any type, default null) so that api.py can refuse the others
+UNIMPLEMENTED_EXTRAS = {
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
+}
+_UnimplementedExtras = create_model("_UnimplementedExtras", __base__=_Request,
+                                    **{name: (Any, None) for name in UNIMPLEMENTED_EXTRAS})
+
+
+class _SamplingFields(_UnimplementedExtras):
 
     model: str | None = None
     n: StrictInt = 1
@@ -111,28 +123,6 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     min_tokens: StrictInt = 0
     include_stop_str_in_output: bool = False
-    # vLLM extras that change the output and are not implemented: declared so that api.py can refuse them
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    prompt_logprobs: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    truncate_prompt_tokens: Any = None
-    return_tokens_as_token_ids: Any = None
-
-
-# each unimplemented vLLM extra above and the values that leave the output as it would be without it
-UNIMPLEMENTED_EXTRAS = {
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "prompt_logprobs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
-    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
-}
 
 
 class CompletionRequest(_SamplingFields):
