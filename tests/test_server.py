@@ -690,6 +690,80 @@ def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server,
         assert resp.status_code == 400 and "must be a list" in resp.json()["error"]["message"], resp.text
 
 
+# a chat template that shows the tools it gets, and an earlier turn's calls and a tool result's call id
+TOOLS_TEMPLATE = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                  "{% if m.tool_calls %} calls {{ m.tool_calls | tojson }}{% endif %}"
+                  "{% if m.tool_call_id %} answers {{ m.tool_call_id }}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+
+
+def check_the_template_sees(srv, tok, monkeypatch, tools_shown: bool):
+    """Chat requests with tools (tool_choice "none", and the deprecated functions with function_call "none") and a
+    tool-calling history, the server's tokenizer rendering them with TOOLS_TEMPLATE: its rendering (watched) is HF's
+    apply_chat_template on the same template, with the tools if tools_shown, else without them, the history's calls
+    and results shown either way; usage counts that reference's tokens."""
+    from eightbit.engine.server import api
+
+    seen = []
+    real = api.render_chat
+
+    def render(tok, messages, *args, **kwargs):
+        text, ids = real(tok, messages, *args, chat_template=TOOLS_TEMPLATE, **kwargs)
+        seen.append(text)
+        return text, ids
+
+    monkeypatch.setattr(api, "render_chat", render)
+    # the history as the template takes it: content "" for None, the call's arguments as a dict
+    history = [TOOL_HISTORY[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**TOOL_CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, TOOL_HISTORY[2]]
+
+    def reference(**kwargs):
+        return tok.apply_chat_template(history, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True,
+                                       tokenize=False, **kwargs)
+
+    with_tools, without_tools = reference(tools=TOOLS), reference()
+    assert with_tools != without_tools and "get_weather" in with_tools.split("<|im_start|>")[0]
+    assert "calls [" in without_tools and "answers call_1" in without_tools
+    want = with_tools if tools_shown else without_tools
+    for form in ({"tools": TOOLS, "tool_choice": "none"},
+                 {"functions": [TOOLS[0]["function"]], "function_call": "none"}):
+        resp = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": TOOL_HISTORY, "max_tokens": 1, **form})
+        assert resp.status_code == 200, resp.text
+        assert seen[-1] == want, form
+        assert resp.json()["usage"]["prompt_tokens"] == len(tok(want, add_special_tokens=False).input_ids)
+
+
+def test_a_tools_aware_template_shows_the_tools(server, offline, monkeypatch):
+    """By default (vLLM's too) the tools sent with tool_choice "none" reach the template, which may show them."""
+    check_the_template_sees(server, offline.get_tokenizer(), monkeypatch, tools_shown=True)
+
+
+def test_exclude_tools_when_tool_choice_none_keeps_the_tools_from_the_template(offline, monkeypatch):
+    """`eightbit serve --exclude-tools-when-tool-choice-none` (vLLM's flag): with tool_choice "none" (here the only
+    one taken; also function_call "none") the template gets no tools, so a template that knows tools does not show
+    them; the history's calls and results still reach it, as in vLLM (which drops only the tool definitions). The
+    flag changes what the template gets, not which requests are taken."""
+    from eightbit import EngineConfig, LLMEngine
+
+    srv = BackgroundServer(LLMEngine(EngineConfig(model=None, **ENGINE_OPTIONS)),
+                           exclude_tools_when_tool_choice_none=True).start()
+    try:  # stopped here: a server left running would show its threads to the tests after this one
+        check_the_template_sees(srv, offline.get_tokenizer(), monkeypatch, tools_shown=False)
+        body = {"model": MODEL, "messages": TOOL_HISTORY, "max_tokens": 1, "tools": TOOLS, "tool_choice": "auto"}
+        resp = post(srv, "/v1/chat/completions", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools", resp.text
+    finally:
+        srv.stop()
+
+
 def test_vllm_extras_at_their_neutral_values_are_taken(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "use_beam_search": False, "bad_words": [],
             "length_penalty": 1.0, "prompt_logprobs": None, "guided_json": None, "return_tokens_as_token_ids": False}

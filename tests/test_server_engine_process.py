@@ -91,15 +91,20 @@ def test_the_engine_process_outlives_a_sigterm_so_that_the_server_can_drain():
     assert not proc.is_alive() and proc.exitcode == 0  # it ended on the stop command
 
 
-@pytest.mark.parametrize("flags, loop_type", [([], EngineProcess), (["--no-engine-process"], AsyncEngine)])
+@pytest.mark.parametrize("flags, loop_type", [([], EngineProcess),
+                                               (["--no-engine-process", "--exclude-tools-when-tool-choice-none"],
+                                                AsyncEngine)])
 def test_serve_runs_the_engine_in_its_own_process_unless_told_not_to(flags, loop_type, monkeypatch):
+    """(and a server option, --exclude-tools-when-tool-choice-none, reaches the app; off by default)"""
     import uvicorn
 
     from eightbit.cli import main as cli_main
 
     def serve(server, sockets=None):  # instead of serving: check the loop behind the app, and that it answers
-        loop = server.config.app.state.server.engine
+        state = server.config.app.state.server
+        loop = state.engine
         assert type(loop) is loop_type and loop.alive
+        assert state.exclude_tools_when_tool_choice_none == ("--exclude-tools-when-tool-choice-none" in flags)
         seen.append(loop)
 
     seen = []

@@ -131,10 +131,12 @@ _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class ServerState:
-    def __init__(self, async_engine: AsyncEngine, model_name: str, max_queue: int | None, tokenizer_workers: int):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, max_queue: int | None, tokenizer_workers: int,
+                 exclude_tools_when_tool_choice_none: bool = False):
         info = async_engine.info
         self.engine = async_engine
         self.model_name = model_name
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.max_num_seqs = info.max_num_seqs
@@ -523,10 +525,12 @@ def _check_unimplemented_extras(req):
         _reject_unless(getattr(req, name) in neutral, name, f"{name} is not supported")
 
 
-def _chat_tools(req: P.ChatCompletionRequest) -> list | None:
+def _chat_tools(req: P.ChatCompletionRequest, exclude_when_none: bool = False) -> list | None:
     """The tools the template gets: `tools`, and the deprecated `functions` in tools' form. Only with tool_choice
     (function_call) "none": the server parses no tool calls, so it takes them only where the client says so
-    (agent frameworks often send them every time)."""
+    (agent frameworks often send them every time). exclude_when_none (vLLM's --exclude-tools-when-tool-choice-none):
+    the template gets none of them, as the client said "none"; the checks stay, and earlier turns' tool calls and
+    results still reach the template (as in vLLM, which drops only the tool definitions)."""
     functions = [{"type": "function", "function": f} for f in req.functions or []]
     _reject_unless(not req.tools or req.tool_choice == "none", "tools",
                    'tools are supported with tool_choice "none" only (this server does not parse tool calls)')
@@ -536,6 +540,8 @@ def _chat_tools(req: P.ChatCompletionRequest) -> list | None:
                    'functions are supported with function_call "none" only (this server does not parse calls)')
     _reject_unless(req.function_call in (None, "none"), "function_call", 'function_call other than "none" is not '
                    "supported")
+    if exclude_when_none:  # every tool taken above came with tool_choice (function_call) "none"
+        return None
     return (req.tools or []) + functions or None
 
 
@@ -688,11 +694,13 @@ def _cors_options(allowed_origins) -> dict | None:
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None = None,
-              tokenizer_workers: int = 2, allowed_origins=(LOCAL_ORIGINS,)) -> FastAPI:
+              tokenizer_workers: int = 2, allowed_origins=(LOCAL_ORIGINS,),
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """The ASGI app around a started engine loop: an AsyncEngine (this process) or an EngineProcess (its own).
     allowed_origins: the web origins whose pages may call the API from a browser (CORS): origins, "*" (any) or
-    LOCAL_ORIGINS; empty, none."""
-    state = ServerState(async_engine, model_name, max_queue, tokenizer_workers)
+    LOCAL_ORIGINS; empty, none. exclude_tools_when_tool_choice_none: the chat template never gets a request's tools
+    (vLLM's flag; here tools come only with tool_choice "none")."""
+    state = ServerState(async_engine, model_name, max_queue, tokenizer_workers, exclude_tools_when_tool_choice_none)
     cors = _cors_options(allowed_origins)
 
     @contextlib.asynccontextmanager
@@ -819,7 +827,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
         _need_tokenizer(state, True, "messages", "chat needs its chat template and tokenizer; use /v1/completions "
                         "with token-id prompts")
         messages = _chat_messages(req)
-        tools = _chat_tools(req)  # they reach the chat template (the model may read them) but are never called
+        # they reach the chat template (the model may read them), unless the server excludes them; never called
+        tools = _chat_tools(req, state.exclude_tools_when_tool_choice_none)
         _reject_unless(req.response_format is None or req.response_format.get("type") == "text",
                        "response_format", "only response_format {\"type\": \"text\"} is supported")
         _reject_unless(not req.echo, "echo", "echo is not supported")

@@ -62,6 +62,10 @@ def add_serve_parser(subparsers):
                    help="comma-separated web origins (e.g. https://chat.example.com) whose pages may call the API "
                         "from a browser (CORS); 'local' (the default) pages served from this machine (localhost, "
                         "127.0.0.1, [::1], any port), '*' any page the user has open (vLLM's default), '' none")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                   help='as vLLM: the chat template does not get a request\'s tools when tool_choice is "none" (here '
+                        "the only tool_choice taken; also functions with function_call \"none\"), so that the model "
+                        "does not see them (default: off, the template gets them)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -121,7 +125,8 @@ def check_address(host, port):
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2, allowed_origins=("local",)):
+def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2, allowed_origins=("local",),
+                 exclude_tools_when_tool_choice_none=False):
     """(engine loop started, FastAPI app). engine: an LLMEngine (its loop then runs in a thread of this process), or
     an engine loop (an EngineProcess, an AsyncEngine)."""
     from eightbit.engine.server.api import build_app
@@ -130,7 +135,8 @@ def build_server(engine, model_name=None, max_queue=None, tokenizer_workers=2, a
     loop = (engine if hasattr(engine, "submit") else AsyncEngine(engine)).start()
     name = model_name or default_model_name(loop.info.model)
     return loop, build_app(loop, name, max_queue=max_queue, tokenizer_workers=tokenizer_workers,
-                           allowed_origins=allowed_origins)
+                           allowed_origins=allowed_origins,
+                           exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
 
 
 def _origins(text: str) -> tuple:
@@ -154,7 +160,7 @@ def run_serve(args) -> int:
     engine = EngineProcess(config) if args.engine_process else LLMEngine(config)
     freeze_startup_heap()  # this process is the server's (the engine process freezes its own)
     async_engine, app = build_server(engine, args.served_model_name, args.max_queue, args.tokenizer_workers,
-                                     args.allowed_origins)
+                                     args.allowed_origins, args.exclude_tools_when_tool_choice_none)
     server = uvicorn_server(app, engine=async_engine, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=args.timeout_keep_alive,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
@@ -247,9 +253,10 @@ class BackgroundServer:
     """
 
     def __init__(self, engine, host="127.0.0.1", port=0, model_name=None, max_queue=None, tokenizer_workers=2,
-                 log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, allowed_origins=("local",)):
+                 log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, allowed_origins=("local",),
+                 exclude_tools_when_tool_choice_none=False):
         self.async_engine, self.app = build_server(engine, model_name, max_queue, tokenizer_workers,
-                                                   allowed_origins)
+                                                   allowed_origins, exclude_tools_when_tool_choice_none)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
