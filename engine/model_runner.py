@@ -140,6 +140,8 @@ class ModelRunner:
         big as that of the profiled step."""
         from eightbit.engine.layers.linear import Linear
         from eightbit.kernels import ops
+
+        ops.require_gpu_triton()  # before int8_gemm's import, which an older Triton fails
         from eightbit.kernels.int8_gemm import variant_sizes
 
         layers = {(m.out_features, m.in_features, m.bias is None, m.out_dtype): m for m in self.model.modules()

@@ -9,8 +9,13 @@ first CUDA use, so a CPU-only install never imports triton.
 import functools
 import importlib
 import inspect
+import re
 
 from eightbit.kernels import reference
+
+# The GPU kernels are written against Triton 3.6: Gluon (the Hopper kernels) and its programmatic-dependent-launch
+# calls (kernels/pdl.py), which older Tritons lack or spell differently.
+MIN_TRITON = (3, 6)
 
 _TRITON_MODULE = {
     "rms_norm": "rmsnorm_quant",
@@ -38,11 +43,34 @@ def _dispatch(name):
         if not getattr(first, "is_cuda", False):
             return reference_fn(*args, **kwargs)
         if triton_fn is None:
+            require_gpu_triton()
             module = importlib.import_module(f"eightbit.kernels.{_TRITON_MODULE[name]}")
             triton_fn = getattr(module, name)
         return triton_fn(*args, **kwargs)
 
     return op
+
+
+def require_gpu_triton():
+    """Raise a RuntimeError that says what to install when this environment's Triton cannot build the GPU kernels
+    (missing, or older than MIN_TRITON), instead of an ImportError from inside a kernel module at the first CUDA
+    call. The CPU path never needs Triton."""
+    import torch
+
+    try:
+        import triton
+    except ImportError:
+        found = "no Triton"
+    else:
+        match = re.match(r"(\d+)\.(\d+)", triton.__version__)
+        if match and tuple(map(int, match.groups())) >= MIN_TRITON:
+            return
+        found = f"Triton {triton.__version__}"
+    need = ".".join(map(str, MIN_TRITON))
+    raise RuntimeError(f"eightbit's GPU kernels need Triton >= {need} (Gluon, programmatic dependent launch); this "
+                       f"environment has {found} with torch {torch.__version__}. Install a CUDA build of torch whose "
+                       f"Triton is {need} or newer (tested: torch 2.11 with Triton 3.6), or run on the CPU "
+                       f"(device=\"cpu\").")
 
 
 rms_norm = _dispatch("rms_norm")
