@@ -62,10 +62,11 @@ def require_gpu_triton():
     except ImportError:
         found = "no Triton"
     else:
-        match = re.match(r"(\d+)\.(\d+)", triton.__version__)
+        version = getattr(triton, "__version__", "of unknown version")
+        match = re.match(r"(\d+)\.(\d+)", version)
         if match and tuple(map(int, match.groups())) >= MIN_TRITON:
             return
-        found = f"Triton {triton.__version__}"
+        found = f"Triton {version}"
     need = ".".join(map(str, MIN_TRITON))
     raise RuntimeError(f"eightbit's GPU kernels need Triton >= {need} (Gluon, programmatic dependent launch); this "
                        f"environment has {found} with torch {torch.__version__}. Install a CUDA build of torch whose "

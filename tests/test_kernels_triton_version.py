@@ -44,3 +44,9 @@ def test_the_cpu_path_never_asks(monkeypatch):
     q, scale = ops.quant_per_token(x)
     ref_q, ref_scale = ops.reference.quant_per_token(x)
     assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+
+
+def test_a_triton_without_a_version_is_refused_by_name(monkeypatch):
+    monkeypatch.delattr(triton, "__version__")
+    with pytest.raises(RuntimeError, match="this environment has Triton of unknown version"):
+        ops.require_gpu_triton()
