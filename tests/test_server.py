@@ -421,7 +421,7 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 100000}, 400, "n"),  # not an out-of-memory kill
-    ("/v1/completions", {"model": MODEL, "prompt": ["x", "y"], "n": 200}, 400, "n"),  # n x prompts
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 257}, 400, "n"),  # n over max_num_seqs (256)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2 ** 63}, 400, "top_k"),  # not a failed step
     ("/v1/completions", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
@@ -516,6 +516,35 @@ def test_bad_input_openai_error(server, path, body, status, param):
     assert err["message"] and err["param"] == param
 
 
+@pytest.mark.parametrize("path,body,param,words", [
+    # render_chat's own arguments: Python's "got multiple values for argument" named messages before
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenizer": 1}},
+     "chat_template_kwargs", "chat template's variables only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs", "chat template's variables only"),
+    # a text part without its text said "only text content parts are supported, got 'text'"
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text", "needs its 'text' field"),
+    # the tokenizer's own words ("TextEncodeInput must be Union[...]") before
+    ("/v1/completions", {"prompt": "Hi\ud800"}, "prompt", "lone surrogate"),
+])
+def test_bad_input_is_named_in_the_error(server, path, body, param, words):
+    resp = post(server, path, {"model": MODEL, "max_tokens": 1, **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_an_empty_stream_options_without_stream_is_ignored(server):
+    """As in vLLM, which refuses only a non-empty stream_options without stream: some clients always send {}."""
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        resp = post(server, path, {"model": MODEL, "max_tokens": 1, "stream_options": {}, **body})
+        assert resp.status_code == 200 and "usage" in resp.json(), resp.text
+        resp = post(server, path, {"model": MODEL, "max_tokens": 1, "stream_options": {"include_usage": False}, **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options", resp.text
+
+
 def test_a_body_that_is_not_json_gets_told_so(server):
     """curl -d without -H 'Content-Type: application/json' sends a form: FastAPI then said "body: Input should be a
     valid dictionary or object to extract fields from"."""
@@ -575,21 +604,33 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server, monk
 
 
 def test_a_list_of_prompts_is_refused_before_or_while_it_is_tokenized(server, monkeypatch):
-    """Too many prompts are refused before any is tokenized (20,000 took 5.5 s to refuse), and a list stops at its
-    first prompt too long to fit."""
+    """A request whose samples cannot run together is refused before any prompt is tokenized, and a list stops at
+    its first prompt too long to fit."""
     tokenizers = server.app.state.server.tokenizers
     encode, encoded = tokenizers.encode, []
     monkeypatch.setattr(tokenizers, "encode", lambda text: encoded.append(text) or encode(text))
     too_many = server.app.state.server.max_num_seqs + 1
-    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["hello"] * too_many, "max_tokens": 1})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text  # n is 1: not "n"
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["hello", "world"], "n": too_many})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
     assert "max_num_seqs" in resp.json()["error"]["message"] and encoded == []
-    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["hello"] * (too_many // 2 + 1), "n": 2})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n" and encoded == []
     long_prompt = "hello " * 2100  # > max_model_len tokens
     resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["hi", long_prompt, long_prompt, long_prompt]})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
     assert encoded == ["hi", long_prompt]
+
+
+def test_more_prompts_than_max_num_seqs_queue_and_are_all_served(server):
+    """A list of more prompts than the engine runs at once: each prompt is its own engine request, and the ones past
+    max_num_seqs wait their turn (as in vLLM); every choice comes back, in order. It was refused with a 400."""
+    count = server.app.state.server.max_num_seqs + 3
+    prompts = [f"{i} + 1 =" for i in range(count)]
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(count))
+    assert all(c["finish_reason"] in ("length", "stop") for c in choices)
+    one = post(server, "/v1/completions", {"model": MODEL, "prompt": prompts[-1], "max_tokens": 1, "temperature": 0})
+    assert one.json()["choices"][0]["text"] == choices[-1]["text"]  # the last, queued prompt got its own answer
 
 
 def test_a_prompt_of_long_tokens_that_fits_is_not_refused_for_its_characters(server, offline):

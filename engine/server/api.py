@@ -312,8 +312,9 @@ def _check_completion_needs_no_text(state: ServerState, req: P.CompletionRequest
 
 def _sampling_params(req, max_tokens, logprobs, max_tokens_field="max_tokens") -> SamplingParams:
     """max_tokens_field: the request field max_tokens came from (chat's max_completion_tokens), for the error."""
-    _reject_unless(req.stream or req.stream_options is None, "stream_options",
-                   "stream_options is only allowed when stream is true")
+    # as vLLM: an empty object passes (some clients always send `stream_options: {}`)
+    _reject_unless(req.stream or req.stream_options is None or not req.stream_options.model_fields_set,
+                   "stream_options", "stream_options is only allowed when stream is true")
     logit_bias = None
     if req.logit_bias:  # OpenAI's keys are token ids as strings
         if len(req.logit_bias) > MAX_TOKEN_IDS:
@@ -365,10 +366,9 @@ def _sampling_params(req, max_tokens, logprobs, max_tokens_field="max_tokens") -
 def _check_limits(state: ServerState, params: SamplingParams, num_prompts: int):
     """What the engine would refuse, refused here, so that it never fails a step shared with other requests; before
     the prompts are tokenized."""
-    if params.n * num_prompts > state.max_num_seqs:
-        raise APIError(f"n x prompts = {params.n * num_prompts} exceeds this server's max_num_seqs "
-                       f"({state.max_num_seqs}): the samples of a request run together",
-                       param="n" if params.n > 1 else "prompt")
+    if params.n > state.max_num_seqs:  # a prompt's samples run together; the prompts of a list queue as requests do
+        raise APIError(f"n = {params.n} exceeds this server's max_num_seqs ({state.max_num_seqs}): the samples of "
+                       f"a prompt run together", param="n")
     if state.max_queue is not None and num_prompts > state.max_queue:
         raise APIError(f"this request has {num_prompts} prompts and the server queues at most "
                        f"{state.max_queue} (--max-queue): send fewer prompts per request", param="prompt")
@@ -404,7 +404,8 @@ def _template_call_params(tokenizer) -> frozenset:
     except (TypeError, ValueError, AttributeError):
         params = {}
     names = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return frozenset(names | {"chat_template", "tokenize", "tools", "documents"})
+    # and render_chat's own (engine/chat.py), which the server passes beside them
+    return frozenset(names | {"chat_template", "tokenize", "tools", "documents", "messages", "tokenizer"})
 
 
 def _check_template_kwargs(state: ServerState, kwargs: dict | None):
@@ -453,6 +454,7 @@ async def _completion_prompts(state: ServerState, prompt: list, check) -> list[l
                 raise APIError("prompt is empty", param="prompt")
             _need_tokenizer(state, True, "prompt", "send the prompt as a list of token ids")
             _check_chars(state, len(p), "prompt")
+            _check_unicode(p, "the prompt", "prompt")
             try:
                 out.append(await state.tokenizers.run(state.tokenizers.encode, p))
             except (TypeError, ValueError) as e:  # e.g. a lone surrogate, which UTF-8 cannot encode
@@ -501,12 +503,15 @@ def _content_text(content, i: int):
     if not isinstance(content, list):
         return content
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         field = _TEXT_PARTS.get(part.type)
-        text = getattr(part, field) if field else None
-        if text is None:
+        if field is None:
             raise APIError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
                            param=f"messages.{i}.content")
+        text = getattr(part, field)
+        if text is None:
+            raise APIError(f"messages[{i}].content[{j}]: a {part.type!r} part needs its {field!r} field",
+                           param=f"messages.{i}.content.{j}.{field}")
         texts.append(text)
     return "\n".join(texts)
 
