@@ -36,13 +36,15 @@ def load_model(config) -> LoadedModel:
     ckpt = open_checkpoint(config.model)
     hf_config = ckpt.config
     scheme = _read_quantization(hf_config)
-    quantized = scheme is not None
+    # a float checkpoint with quantization="w8a8": the linears are built int8 and quantize each weight as it loads
+    # (round-to-nearest per channel, no smoothing), so the float weights never sit in memory all at once
+    quantize_on_load = config.quantization == "w8a8" and scheme is None
+    quantized = scheme is not None or quantize_on_load
     model = build_model(hf_config, quantized, config.torch_dtype, config.device, config.max_model_len)
+    for linear in model.linear_layers() if quantize_on_load else ():
+        linear.quantize_on_load = True
     tokenizer = ckpt.load_tokenizer()  # before the weights: a checkpoint without one fails in seconds, not minutes
     load_weights(model, ((name, ckpt.get_tensor(name)) for name in ckpt.tensor_names()))
-    if config.quantization == "w8a8" and not quantized:
-        model.quantize_linears_()
-        quantized = True
     kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
     return LoadedModel(model, hf_config, tokenizer, ckpt.eos_token_ids, kv_group_size, quantized)
 
@@ -87,17 +89,23 @@ def load_weights(model, named_tensors):
         # a Linear names what it refuses itself; elsewhere only parameters are filled (not model.norm.eps, say)
         if module is None or not (hasattr(module, "load") or f"{module_name}.{param_name}" in expected):
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        slot = f"{module_name}.{param_name}" + ("" if shard_id is None else f"#{shard_id}")
+        suffix = "" if shard_id is None else f"#{shard_id}"
+        slot = f"{module_name}.{param_name}{suffix}"
         if slot in loaded:
             raise ValueError(f"checkpoint tensor {name!r} appears twice (or also as {loaded[slot]!r})")
         try:
             if hasattr(module, "load"):
-                module.load(param_name, tensor, shard_id)
+                filled = module.load(param_name, tensor, shard_id)
             else:
                 _copy(getattr(module, param_name), tensor)
+                filled = (param_name,)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-        loaded[slot] = name
+        for param in filled:  # a weight quantized as it loads fills its scale too
+            other = f"{module_name}.{param}{suffix}"
+            if other in loaded:
+                raise ValueError(f"checkpoint tensor {name!r} fills {other!r}, which {loaded[other]!r} filled")
+            loaded[other] = name
     missing = [m for p in sorted(expected) for m in _missing(model, p, loaded)]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -108,7 +116,10 @@ def _missing(model, param, loaded):
     if param in loaded:
         return []
     module_name, _, param_name = param.rpartition(".")
-    shards = getattr(model.get_submodule(module_name), "shard_offsets", None)
+    module = model.get_submodule(module_name)
+    if param_name == "weight_scale" and getattr(module, "quantize_on_load", False):
+        return []  # it comes with its float weight, which is named where missing
+    shards = getattr(module, "shard_offsets", None)
     if not shards:
         return [param]
     parent, _, fused = module_name.rpartition(".")

@@ -56,6 +56,43 @@ def test_a_whole_checkpoint_fills_every_shard(hf_state, quantized):
     assert torch.equal(model.get_parameter("model.norm.weight"), hf_state["model.norm.weight"])
 
 
+def load_quantizing(named, dtype=torch.bfloat16):
+    """A W8A8 model whose linears quantize float weights as they load (loader.load_model's quantization="w8a8")."""
+    model = build_model(CONFIG, True, dtype, "cpu")
+    for linear in model.linear_layers():
+        linear.quantize_on_load = True
+    load_weights(model, named)
+    return model
+
+
+def test_float_weights_are_quantized_as_they_load_from_their_own_precision(hf_state):
+    """Each shard's float32 weight is quantized per channel as it arrives, into the rows of the fused int8 weight and
+    its scale: what quantizing the whole float32 matrix gives, not a bf16 copy of it (rounded twice: it was)."""
+    model = load_quantizing(checkpoint(hf_state))
+    sources = {"self_attn.qkv_proj": [f"self_attn.{p}_proj" for p in "qkv"], "self_attn.o_proj": ["self_attn.o_proj"],
+               "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj": ["mlp.down_proj"]}
+    twice_rounded_differs = False
+    for fused, parts in sources.items():
+        w = torch.cat([hf_state[f"model.layers.0.{p}.weight"] for p in parts])
+        want, scale = quantize_per_channel(w)
+        assert torch.equal(model.get_parameter(f"model.layers.0.{fused}.weight"), want)
+        assert torch.equal(model.get_parameter(f"model.layers.0.{fused}.weight_scale"), scale)
+        twice_rounded_differs |= not torch.equal(quantize_per_channel(w.bfloat16())[0], want)
+    assert twice_rounded_differs  # else this test could not tell the two apart
+    assert model.get_parameter("model.norm.weight").dtype == torch.bfloat16
+
+
+def test_a_weight_quantized_as_it_loads_fills_its_scale_once(hf_state):
+    """A float checkpoint that also holds a scale is refused; one that lacks a weight names the weight, not the
+    scale that would have come with it (a float checkpoint has none)."""
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=re.escape(f"tensor '{name}' fills 'model.layers.0.mlp.down_proj.weight_scale'"
+                                                   f", which '{name}_scale' filled")):
+        load_quantizing([(name + "_scale", torch.ones(64, 1))] + checkpoint(hf_state))
+    with pytest.raises(ValueError, match=re.escape(f"lacks 1 tensor(s), e.g. ['{name}']")):
+        load_quantizing(checkpoint(hf_state, drop=(name,)))
+
+
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_norm.weight",  # no such module
                                   "model.layers.1.mlp.up_proj.weight",  # a layer this model does not have
                                   "model.norm.bias",  # a module without that parameter

@@ -41,6 +41,9 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False) if quantized else None
         )
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        # a W8A8 layer built for a float checkpoint (quantization="w8a8"): load() quantizes each float weight as it
+        # arrives, from the checkpoint's own precision (a bf16 copy first would round twice)
+        self.quantize_on_load = False
 
     def forward(self, x):
         if not self.quantized:
@@ -49,14 +52,22 @@ class Linear(nn.Module):
             x = Int8Activation(*ops.quant_per_token(x))
         return ops.int8_gemm(x.q, x.scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
-    def load(self, param_name: str, tensor: torch.Tensor, shard_id=None):
-        """Copy a checkpoint tensor ("weight", "weight_scale" or "bias") into place, or into its shard's rows."""
+    def load(self, param_name: str, tensor: torch.Tensor, shard_id=None) -> tuple[str, ...]:
+        """Copy a checkpoint tensor ("weight", "weight_scale" or "bias") into place, or into its shard's rows.
+        Returns the parameters it filled: with quantize_on_load a float weight fills weight and weight_scale."""
         param = getattr(self, param_name) if param_name in ("weight", "weight_scale", "bias") else None
         if param is None:
             raise ValueError(f"unexpected tensor {param_name!r} for a {'W8A8' if self.quantized else 'float'} linear")
-        if shard_id is not None:
-            offset, size = self.shard_offsets[shard_id]
-            param = param.data.narrow(0, offset, size)
+        param = self._rows(param, shard_id)
+        if self.quantize_on_load and param_name == "weight" and tensor.is_floating_point():
+            if tensor.shape != param.shape:
+                raise ValueError(f"weight{'' if shard_id is None else f'[{shard_id}]'}: checkpoint shape "
+                                 f"{tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
+            # per output channel, so a shard's rows quantize as they would in the whole matrix
+            q, scale = quantize_per_channel(tensor.to(param.device))
+            param.copy_(q)
+            self._rows(self.weight_scale, shard_id).copy_(scale)
+            return ("weight", "weight_scale")
         if param_name == "weight_scale" and tensor.dim() == 1:  # [N] and [N, 1] both occur
             tensor = tensor.unsqueeze(1)
         if tensor.shape != param.shape:
@@ -68,7 +79,15 @@ class Linear(nn.Module):
             raise ValueError(f"{param_name} must be a float tensor, the checkpoint has {tensor.dtype}")
         if param_name == "weight_scale" and not torch.isfinite(tensor).all():
             raise ValueError("weight_scale holds NaN or inf values")
-        param.data.copy_(tensor)
+        param.copy_(tensor)
+        return (param_name,)
+
+    def _rows(self, param, shard_id):
+        """The parameter's data, or its shard's rows of it."""
+        if shard_id is None:
+            return param.data
+        offset, size = self.shard_offsets[shard_id]
+        return param.data.narrow(0, offset, size)
 
     @torch.no_grad()
     def quantize_(self):
