@@ -76,8 +76,9 @@ def load_calibration_text(source: str) -> CalibrationText:
     else:
         path = Path(source)
         if not path.is_file():
-            raise QuantizeError(f"calibration file {path} " + ("is a folder: pass a text file in it"
-                                                              if path.is_dir() else "does not exist"))
+            why = ("is a folder: pass a text file in it" if path.is_dir() else
+                   "is not a regular file (a device or a pipe): pass a text file" if path.exists() else "does not exist")
+            raise QuantizeError(f"calibration file {path} {why}")
         if path.stat().st_size == 0:
             raise QuantizeError(f"calibration file {path} is empty")
         try:

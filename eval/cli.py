@@ -238,6 +238,23 @@ def _ppl_header(meta, rows) -> str:
             f"{meta['machine']}, {meta['date']}")
 
 
+def _check_requests_fit(requests, max_model_len, max_pos, configs):
+    """Before any model loads: an engine configuration scores a request in one sequence of max_model_len tokens,
+    with room for the one token it samples (EngineScorer.loglikelihood), so a longer one would fail every
+    configuration's task only after its model had loaded."""
+    if not any(c.backend == "engine" for c in configs):
+        return
+    longest = {t: max((len(ids) for ids, _ in reqs), default=0) for t, reqs in requests.items()}
+    too_long = {t: n for t, n in longest.items() if n >= max_model_len}
+    if too_long:
+        need = max(too_long.values()) + 1
+        fix = (f"pass --max-model-len {need} or more" if need <= max_pos else
+               f"the model's context is {max_pos} tokens; leave the task out or use a model with a longer one")
+        raise ValueError(f"requests of up to {need - 1} tokens ("
+                         + ", ".join(f"{t}: {n}" for t, n in too_long.items())
+                         + f") do not fit --max-model-len {max_model_len} with the token the engine samples: {fix}")
+
+
 def run_tasks(args) -> int:
     from eightbit.eval import report
     from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
@@ -262,6 +279,7 @@ def run_tasks(args) -> int:
     max_model_len = min(args.max_model_len, max_pos)
     if max_model_len < args.max_model_len:
         print(f"[eval] --max-model-len {args.max_model_len} capped at the model's context, {max_pos}", flush=True)
+    _check_requests_fit(requests, max_model_len, max_pos, configs)
     out = Path(args.out)
     meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}})
     rows = []

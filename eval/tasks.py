@@ -136,8 +136,9 @@ def load_task(task, data_dir, limit=None) -> list[Item]:
 
 def encode_pair(tokenizer, context: str, continuation: str):
     """lm-eval's split of context/continuation into token ids. Both are encoded with the tokenizer's own special
-    tokens, as lm-eval 0.4 does by default: a BOS in front for tokenizers that add one (Llama 3, Mistral), nothing
-    for SmolLM2's."""
+    tokens: a BOS in front for tokenizers that add one (Llama 3, Mistral), nothing for SmolLM2's. That is what
+    lm-eval's HF backend does since it leaves the BOS to the tokenizer (lm-eval PR #3347); its earlier 0.4 releases
+    encoded without special tokens unless add_bos_token=True, so for Llama 3 or Mistral they scored without a BOS."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         continuation = context[-n_spaces:] + continuation

@@ -124,22 +124,25 @@ def convert(
         del embed
 
         records = []
-        bar = tqdm(range(len(layers)), desc="quantize layers", unit="layer", disable=not progress)
-        for i in bar:
-            prefix = layers.prefix(i)
-            layer = layers.load(i)
-            stats, hidden_next = collect_layer_stats(
-                layer, layers.run, hidden, sample_tokens=sample_tokens, batch_size=batch_size,
-                layer_name=prefix.rstrip("."),
-            )
-            record = smooth_layer(layer, stats, alpha, heads, kv_heads, alpha_grid)
-            _write_layer(writer, prefix, layer)
-            layers.release(i)
-            del stats, layer
-            hidden = hidden_next
-            records.append(record)
-            # each smoothing point's alpha ("none": leaving it unsmoothed measured best)
-            bar.set_postfix({p: ("none" if r["alpha"] is None else r["alpha"]) for p, r in record.items()})
+        with tqdm(total=len(layers), desc="quantize layers", unit="layer", disable=not progress) as bar:
+            for i in range(len(layers)):
+                prefix = layers.prefix(i)
+                layer = layers.load(i)
+                stats, hidden_next = collect_layer_stats(
+                    layer, layers.run, hidden, sample_tokens=sample_tokens, batch_size=batch_size,
+                    layer_name=prefix.rstrip("."),
+                )
+                record = smooth_layer(layer, stats, alpha, heads, kv_heads, alpha_grid)
+                _write_layer(writer, prefix, layer)
+                layers.release(i)
+                del stats, layer
+                hidden = hidden_next
+                records.append(record)
+                # the finished layer's alpha at each smoothing point ("none": leaving it unsmoothed measured best),
+                # shown with its own count (set before the update, it stood beside the count of the layers before)
+                bar.set_postfix({p: ("none" if r["alpha"] is None else r["alpha"]) for p, r in record.items()},
+                                refresh=False)
+                bar.update(1)
         del hidden
 
         _add_tail(writer, checkpoint, tied)

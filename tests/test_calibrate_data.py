@@ -62,6 +62,10 @@ def test_missing_calibration_file_is_an_error(tmp_path):
         load_calibration_text(str(tmp_path / "nope.txt"))
     with pytest.raises(QuantizeError, match="is a folder: pass a text file in it"):
         load_calibration_text(str(tmp_path))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # it exists: "does not exist" was wrong (so was /dev/null's)
+    with pytest.raises(QuantizeError, match="is not a regular file"):
+        load_calibration_text(str(fifo))
 
 
 def test_a_calibration_file_that_is_not_utf8_is_named_as_such(tmp_path):

@@ -234,6 +234,20 @@ def test_eval_tasks_caps_its_context_at_the_models(tmp_path, capsys):
     assert [r["config"] for r in rows] == ["fp32"] and rows[0]["tasks"]["arc_easy"]["items"] == 2
 
 
+def test_eval_tasks_refuses_requests_longer_than_the_context_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """A task item longer than --max-model-len failed each configuration only after its model had loaded."""
+    import eightbit.eval.configs as configs
+    from eightbit.eval.cli import main
+
+    monkeypatch.setattr(configs, "build_scorer", lambda *a, **k: pytest.fail("no model may load"))
+    rc = main(["tasks", "--configs", "fp32,kv8", "--tasks", "arc_easy,lambada", "--limit", "3", "--device", "cpu",
+               "--max-model-len", "64", "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "do not fit --max-model-len 64" in err and "pass --max-model-len" in err, err
+    assert "arc_easy" in err or "lambada" in err
+    assert not (tmp_path / "out" / "tasks.json").exists()
+
+
 def fake_scorers(monkeypatch, interrupt_at=None):
     """Stand-ins for the configurations' models: log-likelihood = -(tokens), all greedy; Ctrl-C at a task."""
     import eightbit.eval.configs as configs

@@ -207,3 +207,19 @@ def test_a_full_disk_while_writing_the_config_or_tokenizer_is_a_clear_error(tmp_
     assert cli.run_quantize(parse(argv)) == 2
     assert "cannot write the checkpoint in" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "src"]  # the temp folder removed
+
+
+def test_the_layer_bar_shows_a_layers_alphas_beside_its_own_count(tmp_path, capsys):
+    """The alphas of the layer just quantized were drawn while the bar still counted the layers before it
+    ("0/2 ... qkv=0.5" after the first layer, review_s58_doors)."""
+    import re
+
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=2)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
+            "--alpha", "0.5"]
+    assert cli.run_quantize(parse(argv)) == 0
+    draws = [d for d in re.split(r"[\r\n]", capsys.readouterr().err) if d.startswith("quantize layers")]
+    assert draws and "2/2" in draws[-1] and "qkv=0.5" in draws[-1], draws
+    assert not [d for d in draws if "0/2" in d and "qkv=" in d], draws
