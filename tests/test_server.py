@@ -193,6 +193,19 @@ def test_completions_stream(server, client, offline):
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[0][6:])["object"] == "text_completion"
+    # without include_usage no chunk has a usage field (OpenAI: "only present" when asked for); with it, null in
+    # every chunk but the last
+    assert all("usage" not in json.loads(line[6:]) for line in lines[:-1])
+    for path, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        with httpx.stream("POST", server.url + path, timeout=60, json={
+                "model": MODEL, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, **body}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] >= 1
+        with httpx.stream("POST", server.url + path, timeout=60,
+                          json={"model": MODEL, "max_tokens": 3, "stream": True, **body}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        assert events and all("usage" not in e for e in events), path
 
 
 def test_chat_equal_offline_stream_and_not(client, offline):

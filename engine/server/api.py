@@ -659,8 +659,11 @@ def _usage(gen: Generation, completion_tokens: int) -> P.Usage:
 _LINE_BREAKS_TO_ESCAPE = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
-def _sse(model: P.BaseModel) -> str:
-    return f"data: {model.model_dump_json().translate(_LINE_BREAKS_TO_ESCAPE)}\n\n"
+def _sse(model: P.BaseModel, with_usage: bool = True) -> str:
+    """One event. Without stream_options.include_usage a chunk has no usage field at all (OpenAI: it is "only
+    present" when asked for, then null but in the last chunk; vLLM leaves it out too)."""
+    body = model.model_dump_json(exclude=None if with_usage else {"usage"})
+    return f"data: {body.translate(_LINE_BREAKS_TO_ESCAPE)}\n\n"
 
 
 def _sse_error(e: APIError) -> str:
@@ -938,6 +941,7 @@ async def _stream_completion(state, gen: Generation, req, request_id, created):
     n, k = gen.params.n, req.logprobs
     unsent, token_offset, done = {}, {}, set()
     completion_tokens = 0
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
         async for i, out in gen.results():
             for c in out.outputs:
@@ -956,8 +960,8 @@ async def _stream_completion(state, gen: Generation, req, request_id, created):
                 choice = P.CompletionChoice(index=i * n + c.index, text=c.delta, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=_stop_reason(c))
                 yield _sse(P.CompletionResponse(id=request_id, created=created, model=state.model_name,
-                                                choices=[choice]))
-        if req.stream_options and req.stream_options.include_usage:
+                                                choices=[choice]), with_usage)
+        if with_usage:
             yield _sse(P.CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[],
                                             usage=_usage(gen, completion_tokens)))
     except Disconnected:
@@ -972,9 +976,11 @@ async def _stream_chat(state, gen: Generation, req, request_id, created, k):
     unsent, done = {}, set()
     completion_tokens = 0
 
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
     def chunk(choices, usage=None):
         return _sse(P.ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
-                                          usage=usage))
+                                          usage=usage), with_usage)
 
     try:
         yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
