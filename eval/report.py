@@ -76,7 +76,8 @@ def task_deltas(rows, task, metric) -> dict:
     return out
 
 
-def tasks_table(rows, tasks) -> str:
+def tasks_table(rows, tasks, items=None) -> str:
+    """items: {task: item count} of the run, for the footer of tasks that no configuration finished."""
     cols = []
     for task in tasks:
         cols += [(task, "acc")] + ([] if task == "lambada" else [(task, "acc_norm")])
@@ -103,7 +104,7 @@ def tasks_table(rows, tasks) -> str:
         lines.append(f"| {name} | {r['backend']} | " + " | ".join(cells) + " |")
     sizes = []
     for t in tasks:
-        n = next((r["tasks"][t]["items"] for r in rows if t in r.get("tasks", {})), None)
+        n = next((r["tasks"][t]["items"] for r in rows if t in r.get("tasks", {})), (items or {}).get(t))
         if n is not None:
             sizes.append(f"{t}: {n} items")
     return "\n".join(lines) + ("\n\n" + ", ".join(sizes) if sizes else "")

@@ -187,6 +187,8 @@ def test_task_errors_are_shown_in_the_table():
     rows = [{"config": "bf16", "backend": "engine", "baseline": "bf16", "tasks": {},
              "task_errors": {"lambada": "ValueError: the prompt is longer than max_model_len"}}]
     assert "error: ValueError: the prompt is longer than max_model_len" in report.tasks_table(rows, ["lambada"])
+    # a task no configuration finished still has its size in the footer (the run's item counts)
+    assert report.tasks_table(rows, ["lambada"], {"lambada": 5}).endswith("\n\nlambada: 5 items")
 
 
 def test_eval_cli_header_and_chart_when_a_configuration_fails(tmp_path, capsys, monkeypatch):
