@@ -558,6 +558,19 @@ def test_an_empty_stream_options_without_stream_is_ignored(server):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options", resp.text
 
 
+@pytest.mark.parametrize("body,words", [
+    ('{"prompt": "caf\xe9"}'.encode("latin-1"), "UnicodeDecodeError"),  # not UTF-8
+    ("[" * 100_000 + "]" * 100_000, "RecursionError"),
+    ('{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "digits"),
+])
+def test_a_body_json_cannot_parse_says_why(server, body, words):
+    """FastAPI answers these with "There was an error parsing the body" before our own JSON check sees them."""
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["message"].startswith("malformed JSON body") and words in err["message"], err
+
+
 def test_a_body_that_is_not_json_gets_told_so(server):
     """curl -d without -H 'Content-Type: application/json' sends a form: FastAPI then said "body: Input should be a
     valid dictionary or object to extract fields from"."""

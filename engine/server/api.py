@@ -750,7 +750,11 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=type_).body(),
+        message = str(e.detail)
+        if e.status_code == 400 and e.__cause__ is not None:  # FastAPI's "There was an error parsing the body"
+            # (bytes that are not UTF-8, JSON nested too deep, a number of too many digits): say which
+            message = f"malformed JSON body: {type(e.__cause__).__name__}: {e.__cause__}"[:500]
+        return JSONResponse(APIError(message, status=e.status_code, type=type_).body(),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
