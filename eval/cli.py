@@ -285,7 +285,8 @@ def run_tasks(args) -> int:
     rows = []
 
     def write():
-        header, table = f"Zero-shot tasks, {meta['machine']}, {meta['date']}", report.tasks_table(rows, tasks, meta["items"])
+        header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}"
+        table = report.tasks_table(rows, tasks, meta["items"])
         chart = _write_results(out, "tasks", meta, rows, header, table, report.tasks_chart, tasks)
         args.results_written = True
         return header, table, chart

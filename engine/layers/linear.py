@@ -59,20 +59,17 @@ class Linear(nn.Module):
         if param is None:
             raise ValueError(f"unexpected tensor {param_name!r} for a {'W8A8' if self.quantized else 'float'} linear")
         param = self._rows(param, shard_id)
-        if self.quantize_on_load and param_name == "weight" and tensor.is_floating_point():
-            if tensor.shape != param.shape:
-                raise ValueError(f"weight{'' if shard_id is None else f'[{shard_id}]'}: checkpoint shape "
-                                 f"{tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
-            # per output channel, so a shard's rows quantize as they would in the whole matrix
-            q, scale = quantize_per_channel(tensor.to(param.device))
-            param.copy_(q)
-            self._rows(self.weight_scale, shard_id).copy_(scale)
-            return ("weight", "weight_scale")
         if param_name == "weight_scale" and tensor.dim() == 1:  # [N] and [N, 1] both occur
             tensor = tensor.unsqueeze(1)
         if tensor.shape != param.shape:
             raise ValueError(f"{param_name}{'' if shard_id is None else f'[{shard_id}]'}: checkpoint shape "
                              f"{tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
+        if self.quantize_on_load and param_name == "weight" and tensor.is_floating_point():
+            # per output channel, so a shard's rows quantize as they would in the whole matrix
+            q, scale = quantize_per_channel(tensor.to(param.device))
+            param.copy_(q)
+            self._rows(self.weight_scale, shard_id).copy_(scale)
+            return ("weight", "weight_scale")
         if self.quantized and param_name == "weight" and tensor.dtype != torch.int8:
             raise ValueError(f"W8A8 weight must be int8, the checkpoint has {tensor.dtype}")
         if param.is_floating_point() and not tensor.is_floating_point():

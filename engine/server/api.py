@@ -659,6 +659,10 @@ def _usage(gen: Generation, completion_tokens: int) -> P.Usage:
 _LINE_BREAKS_TO_ESCAPE = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
+def _wants_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
 def _sse(model: P.BaseModel, with_usage: bool = True) -> str:
     """One event. Without stream_options.include_usage a chunk has no usage field at all (OpenAI: it is "only
     present" when asked for, then null but in the last chunk; vLLM leaves it out too)."""
@@ -945,7 +949,7 @@ async def _stream_completion(state, gen: Generation, req, request_id, created):
     n, k = gen.params.n, req.logprobs
     unsent, token_offset, done = {}, {}, set()
     completion_tokens = 0
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    with_usage = _wants_usage(req)
     try:
         async for i, out in gen.results():
             for c in out.outputs:
@@ -980,7 +984,7 @@ async def _stream_chat(state, gen: Generation, req, request_id, created, k):
     unsent, done = {}, set()
     completion_tokens = 0
 
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    with_usage = _wants_usage(req)
 
     def chunk(choices, usage=None):
         return _sse(P.ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
@@ -1004,7 +1008,7 @@ async def _stream_chat(state, gen: Generation, req, request_id, created, k):
                 delta = P.DeltaMessage(content=c.delta) if c.delta else P.DeltaMessage()
                 yield chunk([P.ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
                                                finish_reason=c.finish_reason, stop_reason=_stop_reason(c))])
-        if req.stream_options and req.stream_options.include_usage:
+        if with_usage:
             yield chunk([], usage=_usage(gen, completion_tokens))
     except Disconnected:
         return
