@@ -12,6 +12,9 @@ FAMILIES = {
     "llama3-rope-scaling": dict(model_type="llama", max_position_embeddings=256, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
+    "linear-rope-scaling": dict(model_type="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "yarn-rope-scaling": dict(model_type="llama", max_position_embeddings=256, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "llama-tied-mha": dict(model_type="llama", tie_word_embeddings=True, num_key_value_heads=4),
     "mistral": dict(model_type="mistral"),
     "qwen2-qkv-bias": dict(model_type="qwen2"),
