@@ -5,6 +5,7 @@ packed batch; afterwards every sequence that finished its pending tokens samples
 one token, is checked for stop conditions and detokenized incrementally.
 """
 
+import copy
 import gc
 import operator
 import time
@@ -187,6 +188,8 @@ class LLMEngine:
         if first_token_output and not final_only:
             raise ValueError("first_token_output goes with final_only: other requests are reported at every step")
         params = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(params, SamplingParams):  # a copy, as vLLM's: the caller may change its object while it runs
+            params = copy.deepcopy(params)
         text, token_ids = self.check_request(prompt, params, priority)
         request = Request(request_id, text, token_ids, params, int(priority), time.monotonic(), final_only, delta,
                           first_token_output)
@@ -282,17 +285,31 @@ class LLMEngine:
         (a stop token or string; length limits are known in advance) has its extra row dropped.
         """
         aborted, self._aborted = self._aborted, []
-        launched, self._in_flight = self._in_flight, None
-        if launched is not None and all(s.is_finished for s in launched.seqs):
-            launched = None  # every sequence of it stopped or was aborted after it was launched
-        if launched is None:
-            sched = self.scheduler.schedule()
-            if not sched.scheduled:
-                return aborted
-            launched = self._launch(sched.scheduled, sched.copies)
-        if self.config.async_scheduling:
-            self._in_flight = self._launch_continuation(launched)
-        return aborted + self._complete_step(launched)
+        try:
+            launched, self._in_flight = self._in_flight, None
+            if launched is not None and all(s.is_finished for s in launched.seqs):
+                launched = None  # every sequence of it stopped or was aborted after it was launched
+            if launched is None:
+                sched = self.scheduler.schedule()
+                if not sched.scheduled:
+                    return aborted
+                launched = self._launch(sched.scheduled, sched.copies)
+            if self.config.async_scheduling:
+                self._in_flight = self._launch_continuation(launched)
+            return aborted + self._complete_step(launched)
+        except BaseException:  # a Ctrl-C or an error: the requests of other callers must still run on
+            self._aborted = aborted + self._aborted
+            self._resample_lost_tokens()
+            raise
+
+    def _resample_lost_tokens(self):
+        """After a step that did not complete: a sequence counted as computed up to its last token has lost the
+        token sampled from it (it never reached token_ids), so its last token runs again and samples anew (its
+        KV is written again, with the same values; a seeded generator has moved on, so the sample may differ)."""
+        self._in_flight = None
+        for seq in self.scheduler.running:
+            if not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens:
+                seq.num_computed_tokens = seq.num_tokens - 1
 
     def _launch(self, scheduled, copies, input_tokens=None) -> LaunchedStep:
         """Run the model, count the new tokens as computed, fork the n > 1 samples of prompts that just finished

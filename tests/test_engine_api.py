@@ -398,6 +398,58 @@ def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     assert streamed == [0, 0, 0]
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_ctrl_c_inside_one_call_leaves_the_other_calls_requests_running(llm, monkeypatch, async_scheduling):
+    """A Ctrl-C that lands while a step's tokens come to the host (where the host waits on a GPU) lost the token
+    sampled for every other live request: the stream around the interrupted generate then failed at its next step
+    (a TypeError in the sampler, or "num_computed_tokens exceeds" with async scheduling), and so did every later
+    call until that stream was closed. Now the lost token is sampled again."""
+    engine = llm.engine
+    monkeypatch.setattr(engine.config, "async_scheduling", async_scheduling)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = llm.generate([PROMPTS[0], PROMPTS[2]], params, use_tqdm=False)
+    real = engine._tokens_to_host
+
+    def interrupt_once(launched):
+        monkeypatch.setattr(engine, "_tokens_to_host", real)
+        raise KeyboardInterrupt
+
+    ids = []
+    for _, out in llm.stream(PROMPTS[0], params):
+        if not ids:
+            monkeypatch.setattr(engine, "_tokens_to_host", interrupt_once)
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([PROMPTS[1]], params, use_tqdm=False)
+        ids = out.outputs[0].token_ids
+    assert ids == want[0].outputs[0].token_ids
+    assert texts(llm.generate([PROMPTS[2]], params, use_tqdm=False)) == texts(want[1:])
+    _assert_idle(engine)
+
+
+def test_an_abort_is_still_reported_after_a_step_that_failed(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request("gone", "Hi", SamplingParams(max_tokens=2))
+    engine.abort("gone")
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.step()
+    monkeypatch.undo()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in engine.step()] == [("gone", "abort")]
+    _assert_idle(engine)
+
+
+def test_a_sampling_params_changed_while_its_request_runs_does_not_change_it(llm):
+    """The engine keeps a copy, as vLLM does: max_tokens lowered for the next call cut a running stream short, and
+    n raised after the request started as n = 1 gave three empty outputs."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    stream = llm.stream(PROMPTS[1], params)
+    next(stream)
+    params.max_tokens, params.n = 3, 4
+    *_, (_, out) = stream
+    assert len(out.outputs) == 1 and len(out.outputs[0].token_ids) == 10
+    _assert_idle(llm.engine)
+
+
 def test_numpy_and_torch_token_ids_are_prompts_like_ints(llm):
     import numpy as np
 
