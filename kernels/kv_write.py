@@ -12,7 +12,7 @@ Rotation of a whole head row at once: column c takes its partner c + D/2 (mod D)
 
 As in the reference, the rotated q and k are rounded to their own dtype; the int8 cache then
 quantizes that rounded k exactly as quant.int8.quantize_groups does: per token and head, in
-groups of G along head_dim, scale = fp16(min(absmax, 65024) / 127), q = round_half_even(x * (1 / scale)),
+groups of G along head_dim, scale = fp16(min(absmax, 65024) / 127) rounded up, q = round_half_even(x * (1 / scale)),
 clamped to [-127, 127]; an all-zero group gets scale 0 and q 0. A float cache stores the value
 cast to the cache dtype.
 
@@ -58,7 +58,11 @@ def _store_head_rows(
         g = tl.reshape(x, (H_PAD, NG, GROUP))
         # [H_PAD, NG]; a NaN in a group gives it a NaN scale, as torch's amax and clamp do
         absmax = tl.minimum(tl.reduce(tl.abs(g), 2, max_keep_nan), KV_ABSMAX, propagate_nan=tl.PropagateNan.ALL)
-        scale = tl.math.div_rn(absmax, 127.0).to(scale_ptr.dtype.element_ty)
+        exact = tl.math.div_rn(absmax, 127.0)
+        scale = exact.to(scale_ptr.dtype.element_ty)
+        if scale_ptr.dtype.element_ty.primitive_bitwidth == 16:  # rounded up, as quantize_groups does
+            up = (scale.to(tl.int16, bitcast=True) + 1).to(scale_ptr.dtype.element_ty, bitcast=True)
+            scale = tl.where(scale.to(tl.float32) < exact, up, scale)
         s = scale.to(tl.float32)
         inv = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0)), 0.0)
         qv = _round_half_even(g * inv[:, :, None])

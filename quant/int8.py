@@ -14,7 +14,10 @@ overflow; the GPU kernels skip that (such a row dequantizes to within 1e-30 eith
 
 The KV cache's groups (quantize_groups) cap absmax at KV_ABSMAX = 127 * 512 = 65024: the
 attention kernels dequantize in float16, and with scale <= 512 every q * scale fits it.
-Larger magnitudes (no bf16 model's keys or values come near) saturate there.
+Larger magnitudes (no bf16 model's keys or values come near) saturate there. Their float16 scale is
+rounded up, not to nearest, so |x / scale| <= 127 holds: rounded down, a group below float16's
+normal range (absmax < 2^-14 * 127 ~ 2e-3) lost its largest values to the clamp, and one below
+~4e-6 got scale 0, every value stored as 0.
 """
 
 import torch
@@ -63,14 +66,18 @@ def quantize_groups(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (int8 [..., D], scale [..., D // group_size]) in groups along the last dim.
 
-    The scale is rounded to `scale_dtype` first and q is computed from the rounded
+    The scale is rounded up to `scale_dtype` first and q is computed from the rounded
     scale, so dequantization uses exactly the scale that quantization divided by.
     """
     d = x.shape[-1]
     if d % group_size:
         raise ValueError(f"group size {group_size} does not divide the last dimension {d}")
     g = x.float().unflatten(-1, (d // group_size, group_size))
-    scale = (g.abs().amax(dim=-1).clamp(max=KV_ABSMAX) / QMAX).to(scale_dtype)
+    exact = g.abs().amax(dim=-1).clamp(max=KV_ABSMAX) / QMAX
+    scale = exact.to(scale_dtype)
+    if scale.element_size() == 2:  # float16 / bfloat16: one step up where rounding went down
+        up = (scale.view(torch.int16) + 1).view(scale_dtype)
+        scale = torch.where(scale.float() < exact, up, scale)
     s = scale.float().unsqueeze(-1)
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     q = torch.round(g * inv).clamp_(-QMAX, QMAX).to(torch.int8)
