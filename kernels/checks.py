@@ -15,6 +15,7 @@ from eightbit.kernels import metadata_checks
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_K = (2**31 - 1) // (128 * 128)  # 131071: past it, a dot product of -128s wraps the int32 accumulator
 
 
 def _tensors(name, **named):
@@ -66,6 +67,13 @@ def rms_norm(x, weight, residual):
     _same_device((weight, residual), x.device, "rms_norm")
 
 
+def quant_per_token(x):
+    """Float x [..., K]."""
+    _floats("quant_per_token", x=x)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension, got a scalar")
+
+
 def silu_mul(gate_up):
     """Float gate_up [..., 2I]: gate first, then up."""
     _floats("silu_mul", gate_up=gate_up)
@@ -88,6 +96,9 @@ def int8_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
     n, k2 = w_q.shape
     if k != k2:
         raise ValueError(f"K mismatch: x_q {tuple(x_q.shape)} vs w_q {tuple(w_q.shape)}")
+    if k > MAX_K:
+        raise ValueError(f"int8_gemm: K = {k} can overflow the int32 accumulator (K * 128 * 128 >= 2^31); "
+                         f"at most {MAX_K}")
     for name, s, rows in (("x_scale", x_scale, m), ("w_scale", w_scale, n)):
         if s.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {s.dtype}")

@@ -357,7 +357,8 @@ def _build_tile_map(cu_seqlens_q, t, bm):
 def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, softmax_scale):
     """Causal varlen attention of packed queries (each sequence's last tokens) over the paged cache.
 
-    Returns a new [T, Hq, D] tensor in q.dtype. See the module docstring for the layout rules.
+    Returns a new [T, Hq, D] tensor in q.dtype; its rows past cu_seqlens_q[-1] are not written. See the module
+    docstring for the layout rules.
     """
     quant, group = check_attention_inputs(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                                           "prefill_attention")

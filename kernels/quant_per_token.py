@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eightbit.kernels import checks
 from eightbit.kernels.launch import FastLauncher
 from eightbit.kernels.pdl import allow_dependents, producer_launch, wait_for_previous_kernel
 
@@ -142,6 +143,7 @@ def as_rows(x, name):
 
 def quant_per_token(x):
     """x [..., K] -> (int8 [..., K], float32 scale [..., 1]). Same as reference.quant_per_token."""
+    checks.quant_per_token(x)
     x2 = as_rows(x, "x")
     m, k = x2.shape
     _, q, scale = row_outputs(m, k, None, x.device, quant=True)

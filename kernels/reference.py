@@ -67,6 +67,7 @@ def silu_mul_quant(gate_up):
 
 def quant_per_token(x):
     """x [M, K] -> (int8 [M, K], float32 scale [M, 1]). The input is first rounded to its own dtype."""
+    checks.quant_per_token(x)
     return quantize_per_token(x)
 
 
@@ -202,7 +203,8 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
     cu_seqlens_q[b]:cu_seqlens_q[b+1] and these are its last tokens, so the i-th of its
     n queries sits at position seq_lens[b] - n + i and sees keys 0..that position, all
     read from the cache (kv_write has already stored the new ones). GQA: query head h
-    uses kv head h // (Hq // Hkv). Returns [T, Hq, D] in q.dtype.
+    uses kv head h // (Hq // Hkv). Returns [T, Hq, D] in q.dtype; rows past cu_seqlens_q[-1] (padding) are not
+    written (undefined), in either backend.
     """
     checks.attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, "prefill_attention")
     checks.prefill_queries(q, cu_seqlens_q, seq_lens)
@@ -245,7 +247,9 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_le
 
 def gather_kv_padded(cache, scale, block_tables):
     """All blocks of every table, dequantized: [B, width * block_size, Hkv, D] float32."""
-    blocks = block_tables.long().clamp(min=0)  # -1 padding reads block 0; those keys are masked
+    blocks = block_tables.long()
+    # -1 padding, or a stale id in a column past the sequence's end (a graph's table), reads block 0: masked keys
+    blocks = torch.where((blocks >= 0) & (blocks < cache.shape[0]), blocks, 0)
     x = cache[blocks].flatten(1, 2)
     if scale is None:
         return x.float()

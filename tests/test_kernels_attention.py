@@ -565,9 +565,10 @@ def test_metadata_out_of_range_is_an_error_when_the_checks_are_on(monkeypatch):
     nblk = sc.caches[0].shape[0]
     decode_attention(q, *sc.caches, sc.block_tables, sc.seq_lens, 0.1)  # in range: runs
     table = sc.block_tables.clone()
-    table[1, 0] = nblk + 1
-    with pytest.raises(ValueError, match=rf"block_tables\[1, 0\] = {nblk + 1} is not a block of the cache"):
-        decode_attention(q, *sc.caches, table, sc.seq_lens, 0.1)
+    for bad in (nblk + 1, -1):  # -1 in a column in use read block 0 in the reference, before the cache in the kernel
+        table[1, 0] = bad
+        with pytest.raises(ValueError, match=rf"block_tables\[1, 0\] = {bad} is not a block of the cache"):
+            decode_attention(q, *sc.caches, table, sc.seq_lens, 0.1)
     long = sc.seq_lens.clone()
     long[0] = sc.block_tables.shape[1] * 16 + 1
     with pytest.raises(ValueError, match=r"seq_lens\[0\] = .* is outside"):
@@ -579,9 +580,10 @@ def test_metadata_out_of_range_is_an_error_when_the_checks_are_on(monkeypatch):
     before = [x.clone() for x in sc.caches]
     with pytest.raises(ValueError, match=rf"slot_mapping\[2\] = {nblk * 16} is outside -1..{nblk * 16 - 1}"):
         kv_write(k, k, *sc.caches, torch.tensor([0, -1, nblk * 16]))
-    with pytest.raises(ValueError, match=r"positions\[0\] = 8 is outside the rotary cache's 0..7"):
-        rope_kv_write(torch.randn(3, 8, 64, dtype=torch.float16), k, k, torch.tensor([8, 0, 1]), torch.randn(8, 64),
-                      *sc.caches, torch.tensor([0, 1, 2]))
+    for bad in (8, -1):  # -1 read the cache's last row in the reference (Python indexing), past it in the kernel
+        with pytest.raises(ValueError, match=rf"positions\[0\] = {bad} is outside the rotary cache's 0..7"):
+            rope_kv_write(torch.randn(3, 8, 64, dtype=torch.float16), k, k, torch.tensor([bad, 0, 1]),
+                          torch.randn(8, 64), *sc.caches, torch.tensor([0, 1, 2]))
     assert all(torch.equal(a.nan_to_num(1.0), b.nan_to_num(1.0)) for a, b in zip(sc.caches, before))
 
 

@@ -114,6 +114,12 @@ BAD = [
      "kv_write: k must be a float tensor"),
     ("rope_kv_write", lambda: rope_args(cos_sin_cache=torch.ones(10, 16, dtype=torch.int32)),
      "cos_sin_cache must be a float tensor"),
+    ("quant_per_token", lambda: dict(x=torch.ones(4, 16, dtype=torch.int32)), "quant_per_token: x must be a float"),
+    ("quant_per_token", lambda: dict(x=torch.tensor(2.0)), "x must have at least one dimension, got a scalar"),
+    # past K = 131071 a dot product of -128s wraps the int32 accumulator on both backends, silently
+    ("int8_gemm", lambda: gemm_args(x_q=torch.ones(4, 131072, dtype=torch.int8), w_q=torch.ones(8, 131072,
+                                                                                            dtype=torch.int8)),
+     r"K = 131072 can overflow the int32 accumulator .* at most 131071"),
     ("decode_attention", lambda: decode_args(softmax_scale=None), "softmax_scale must be a number, got NoneType"),
     ("prefill_attention", lambda: prefill_args(softmax_scale=torch.tensor(0.25)), "softmax_scale must be a number"),
 ]
@@ -140,6 +146,28 @@ def test_rows_of_no_elements_give_zero_scales_on_both_backends(op):
         if a is not None:
             assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
     assert ref[1].shape == (3, 1) and not ref[1].any()
+
+
+def test_a_k_of_zero_gives_the_bias_on_both_backends():
+    bias = torch.randn(8)
+    for fn in (R.int8_gemm, gmod.int8_gemm):
+        assert torch.equal(fn(**gemm_args(x_q=torch.ones(4, 0, dtype=torch.int8), w_q=torch.ones(8, 0, dtype=torch.int8),
+                                          bias=bias)), bias.expand(4, 8))
+
+
+def test_stale_ids_in_unused_table_columns_are_ignored_on_both_backends(monkeypatch):
+    """A CUDA graph's table keeps old block ids past a sequence's end; the reference gathered every column and
+    failed on one past the cache (an IndexError), though the metadata checks pass it and the kernel never reads it."""
+    monkeypatch.setattr(metadata_checks, "ENABLED", True)
+    gen = torch.Generator().manual_seed(0)
+    cache = {k: torch.randint(-127, 128, v.shape, dtype=torch.int8, generator=gen) if v.dtype == torch.int8
+             else torch.rand(v.shape, generator=gen).half() for k, v in int8_cache().items()}
+    cache["q"] = torch.randn(2, 4, 16, generator=gen)
+    stale = torch.tensor([[0, 1, 99], [2, 3, -7]], dtype=torch.int32)  # seq_lens 5 and 8 use two pages of 4
+    padded = torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32)
+    for fn in (R.decode_attention, dmod.decode_attention):
+        want = fn(**decode_args(**cache, block_tables=padded))
+        assert torch.equal(fn(**decode_args(**cache, block_tables=stale)), want) and want.abs().sum() > 0
 
 
 def test_an_empty_decode_batch_on_both_backends():
