@@ -135,9 +135,12 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
 
 
 def linear_has_bias(config, name: str) -> bool:
-    """Whether the HF module `name` (as in linear_shapes) has a bias in this model family."""
+    """Whether the HF module `name` (as in linear_shapes) has a bias in this model family, as transformers builds
+    it: Qwen2's q/k/v always and nothing else, Mistral's never; only Llama reads attention_bias and mlp_bias."""
     if config.model_type == "qwen2":
         return name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    if config.model_type == "mistral":
+        return False
     if name.startswith("self_attn."):
         return bool(getattr(config, "attention_bias", False))
     return bool(getattr(config, "mlp_bias", False))

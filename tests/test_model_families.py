@@ -18,6 +18,9 @@ FAMILIES = {
     "llama-tied-mha": dict(model_type="llama", tie_word_embeddings=True, num_key_value_heads=4),
     "mistral": dict(model_type="mistral"),
     "qwen2-qkv-bias": dict(model_type="qwen2"),
+    # flags that only Llama reads: HF's Qwen2 and Mistral fix their biases (the engine expected o / MLP biases here)
+    "qwen2-bias-flags": dict(model_type="qwen2", attention_bias=True, mlp_bias=True),
+    "mistral-bias-flags": dict(model_type="mistral", attention_bias=True, mlp_bias=True),
 }
 
 

@@ -13,7 +13,7 @@ from eightbit.engine.layers.attention import Attention
 from eightbit.engine.layers.linear import Linear
 from eightbit.engine.layers.norm import RMSNorm, SiluAndMul
 from eightbit.engine.layers.rotary import check_rope_type
-from eightbit.quant.schemes import head_dim
+from eightbit.quant.schemes import head_dim, linear_has_bias
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -55,10 +55,10 @@ class LlamaAttention(nn.Module):
         d = head_dim(config)
         self.q_size = config.num_attention_heads * d
         self.kv_size = config.num_key_value_heads * d
-        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        bias = linear_has_bias(config, "self_attn.q_proj")
         shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias, shards, quantized, dtype)
-        o_bias = getattr(config, "attention_bias", False)  # Qwen2 has q/k/v biases but none on o
+        o_bias = linear_has_bias(config, "self_attn.o_proj")  # Qwen2 has q/k/v biases but none on o
         self.o_proj = Linear(self.q_size, config.hidden_size, o_bias, None, quantized, dtype)
         self.attn = Attention(config.num_attention_heads, config.num_key_value_heads, d)
 
@@ -72,7 +72,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, quantized, dtype):
         super().__init__()
         inter = config.intermediate_size
-        bias = getattr(config, "mlp_bias", False)
+        bias = linear_has_bias(config, "mlp.gate_proj")
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias, {0: inter, 1: inter}, quantized, dtype)
         self.down_proj = Linear(inter, config.hidden_size, bias, None, quantized, dtype)
         self.act = SiluAndMul()
