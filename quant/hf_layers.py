@@ -80,6 +80,7 @@ class DecoderLayers:
         self.rotary = rotary_cls(config=self.config)  # on the CPU: its buffers are computed, not loaded
         self._rope = {}
         self._check_tensor_names()
+        self._check_outer_tensors()
 
     def _check_tensor_names(self) -> None:
         """Every tensor the config implies is in the checkpoint and every tensor in it is one the config implies,
@@ -98,6 +99,19 @@ class DecoderLayers:
             raise QuantizeError(f"the checkpoint has tensors its config does not use, e.g. {extra[:3]} "
                                 f"({len(extra)} in all): a bias the config says is absent, or quantization scales? "
                                 "Quantizing would drop them")
+
+    def _check_outer_tensors(self) -> None:
+        """The embedding, final norm and lm_head: their shapes and values checked before any layer is calibrated
+        (a wrong shape was written and then refused by the engine; NaN in lm_head was found after the last layer)."""
+        have = set(self.checkpoint.tensor_names())
+        for name, p in self.model.state_dict().items():
+            if name.startswith("model.layers.") or name not in have:
+                continue
+            t = self.checkpoint.get_tensor(name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise QuantizeError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(p.shape)}")
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise QuantizeError(f"tensor {name!r} holds NaN or inf values")
 
     def __len__(self):
         return len(self.layers)

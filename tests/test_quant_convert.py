@@ -621,6 +621,25 @@ def test_a_missing_tensor_is_found_before_calibrating(monkeypatch, tmp_path, tok
     assert not (tmp_path / "q").exists()
 
 
+@pytest.mark.parametrize("name, change, message", [
+    ("lm_head.weight", lambda t: torch.cat([t, t[:10]]), r"has shape \(330, 64\), the config implies \(320, 64\)"),
+    ("model.embed_tokens.weight", lambda t: torch.cat([t, t[:10]]), r"has shape \(330, 64\), the config implies"),
+    ("model.norm.weight", lambda t: t[:60], r"has shape \(60,\), the config implies \(64,\)"),
+    ("lm_head.weight", lambda t: t.index_fill(0, torch.tensor([7]), float("inf")), "holds NaN or inf values"),
+    ("model.norm.weight", lambda t: t.index_fill(0, torch.tensor([3]), float("nan")), "holds NaN or inf values"),
+])
+def test_the_embedding_norm_and_lm_head_are_checked_before_calibrating(monkeypatch, tmp_path, tokenizer, calib, name,
+                                                                     change, message):
+    """Their shapes were not checked at all (the checkpoint was written, then refused by the engine), and their values
+    only after every layer was calibrated (hours for a large model on a CPU)."""
+    monkeypatch.setattr(convert_module, "collect_layer_stats", lambda *a, **k: pytest.fail("calibration started"))
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=tokenizer, num_hidden_layers=2, max_shard_size="10MB")
+    _edit_tensors(src, lambda t: t.update({name: change(t[name])}))
+    with pytest.raises(QuantizeError, match=rf"tensor '{name}' {message}"):
+        run(src, tmp_path / "q", calib)
+    assert not (tmp_path / "q").exists()
+
+
 def test_fp8_weights_are_an_already_quantized_source(tmp_path, tokenizer, calib):
     src = make_tiny_checkpoint(tmp_path / "src", tokenizer=tokenizer, num_hidden_layers=1, max_shard_size="10MB")
     name = "model.layers.0.self_attn.q_proj.weight"
