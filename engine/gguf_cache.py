@@ -122,7 +122,7 @@ def store(gguf: Path, write) -> Path | None:
         write(tmp)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / SOURCE_FILE).write_text(json.dumps({**_source(gguf), "files": files}))
-        _flush(tmp)
+        flush_to_disk(tmp)
     except Exception as e:  # the copy only saves time: whatever stops it must not stop the open
         shutil.rmtree(tmp, ignore_errors=True)
         return _not_stored(gguf, entry, e)
@@ -177,7 +177,7 @@ def _replace(entry: Path, tmp: Path):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _flush(directory: Path):
+def flush_to_disk(directory: Path):
     """Every file of directory on disk (a power loss after the rename must not leave empty files behind it)."""
     for path in directory.iterdir():
         if not path.is_file():

@@ -162,7 +162,8 @@ Quantize a Llama-family model (llama, mistral, qwen2 without sliding window) to 
 checkpoint in the compressed-tensors format (vLLM reads it too): Linear weights int8 per output
 channel, activations int8 per token at run time, SmoothQuant folded into norms and weights,
 and eightbit's int8 KV-cache scheme recorded in config.json. Runs layer by layer, so models
-larger than RAM convert. OUT is written atomically: a failed or interrupted run (Ctrl-C,
+larger than RAM convert from HF safetensors (a GGUF is first converted whole, in memory, by
+transformers). OUT is written atomically: a failed or interrupted run (Ctrl-C,
 SIGTERM) leaves nothing.
 
   eightbit quantize SRC OUT    quantize SRC into OUT

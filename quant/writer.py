@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eightbit.engine.gguf_cache import flush_to_disk
 from eightbit.quant.checkpoint_format import EIGHTBIT_KEY
 from eightbit.quant.errors import QuantizeError
 
@@ -148,6 +149,7 @@ def atomic_output_dir(out, overwrite: bool = False):
         with _sigterm_unwinds():
             yield tmp
         _apply_umask(tmp)
+        flush_to_disk(tmp)  # before the rename: a power loss after it must not leave empty files at OUT
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

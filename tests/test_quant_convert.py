@@ -285,6 +285,30 @@ def test_a_folder_that_appears_at_out_during_the_run_is_left_alone(tmp_path):
     assert (tmp / "config.json").exists() and str(tmp) in str(e.value)
 
 
+def test_the_files_reach_the_disk_before_the_folder_moves_to_out(tmp_path, monkeypatch):
+    """fsync before the rename (as the GGUF cache does): a power loss after it must not leave empty files at OUT."""
+    from eightbit.quant import writer
+
+    fsynced, rename = set(), os.rename
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        fsynced.add(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def checked_rename(a, b):
+        assert {str(p) for p in Path(a).iterdir()} | {str(a)} <= fsynced
+        rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", checked_rename)
+    out = tmp_path / "q"
+    with writer.atomic_output_dir(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+        (tmp / "model.safetensors").write_bytes(b"x" * 10)
+    assert (out / "config.json").read_text() == "{}"
+
+
 def test_an_interrupt_while_the_new_checkpoint_replaces_the_old_takes_effect_after_the_swap(tmp_path, monkeypatch):
     """Ctrl-C that lands between moving the old checkpoint aside and moving the new one in used to leave no folder at
     OUT (both hidden beside it); now the swap finishes, then KeyboardInterrupt is raised."""
