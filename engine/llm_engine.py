@@ -133,15 +133,16 @@ class LLMEngine:
         return kv_bytes_per_token(len(a), a[0].num_kv_heads, a[0].head_dim, self.kv_dtype, self.kv_group_size)
 
     def _transient_attention_bytes(self) -> int:
-        """Room for the bf16 copy that long int8-cache prefills dequantize their blocks into (kernels/kv_dequant.py);
-        the profiled step's own copy is smaller than the largest a step may take."""
+        """Room for the 16-bit float copy that long int8-cache prefills dequantize their blocks into
+        (kernels/kv_dequant.py); the profiled step's own copy is smaller than the largest a step may take."""
         from eightbit.kernels import attention_configs
 
         return attention_configs.PREFILL_INT8_VIA_FLOAT_MAX_BYTES if self.kv_dtype == torch.int8 else 0
 
     def _graph_bytes(self) -> int:
         """Room for the CUDA graphs: their pool and workspace, and the decode graphs' logits (float32, and the
-        model's dtype they are cast from: 0.2 GB at 256 sequences and a 128k vocabulary)."""
+        model's dtype they are cast from: 0.2 GB at 256 sequences and a 128k vocabulary). With enforce_eager the
+        fixed part stays reserved, so the KV cache does not grow with a flag meant for debugging."""
         if self.config.enforce_eager:
             return GRAPH_RESERVE_BYTES
         rows = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
@@ -190,7 +191,7 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):  # a copy, as vLLM's: the caller may change its object while it runs
             params = copy.deepcopy(params)
-        text, token_ids = self.check_request(prompt, params, priority)
+        text, token_ids = self._check_request(prompt, params, priority)
         request = Request(request_id, text, token_ids, params, int(priority), time.monotonic(), final_only, delta,
                           first_token_output)
         self._init_sequence(request.seqs[0])
@@ -200,7 +201,13 @@ class LLMEngine:
 
     def check_request(self, prompt, params, priority=0):
         """Raise what `add_request` would raise for this prompt and these SamplingParams; else return the
-        prompt's (text or None, token ids). Changes nothing."""
+        prompt's (text or None, token ids). Changes nothing, the caller's SamplingParams included."""
+        if isinstance(params, SamplingParams):
+            params = copy.deepcopy(params)
+        return self._check_request(prompt, params, priority)
+
+    def _check_request(self, prompt, params, priority):
+        """check_request on params that may be normalized in place (validate() does)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # again: a field may have changed since construction
@@ -278,7 +285,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule → launch → complete one step. Returns the requests that produced tokens or finished.
 
-        Async scheduling (on by default): when the step after this one can only be one more token
+        Async scheduling (on by default on CUDA): when the step after this one can only be one more token
         for each sequence of it, that step is launched before this one's tokens are copied to the
         host, with those tokens as its input straight from the device. The GPU then runs it while
         the host detokenizes, checks stop conditions and builds outputs. A sequence that stops here

@@ -42,8 +42,8 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM
 class SamplingParams:
     """How to pick the tokens of one request.
 
-    ``temperature == 0`` means greedy (argmax); ``top_k`` of -1 or 0 and ``top_p == 1`` and
-    ``min_p == 0`` switch those filters off. ``top_k`` keeps every token tied with the k-th most
+    ``temperature == 0`` (any below 1e-5, as in vLLM) means greedy (argmax); ``top_k`` of -1 or 0 and
+    ``top_p == 1`` and ``min_p == 0`` switch those filters off. ``top_k`` keeps every token tied with the k-th most
     likely one, as vLLM and HF transformers do. ``max_tokens=None`` means up to the context limit.
     ``stop`` and ``stop_token_ids`` are normalized to lists (empty when None); generation ends at the first
     token that completes a stop string, and the text ends before that string, or after it with

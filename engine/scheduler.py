@@ -17,7 +17,7 @@ from eightbit.engine.sequence import SequenceStatus
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list = field(default_factory=list)  # [(Sequence, num_new_tokens)] in batch order
+    scheduled: list = field(default_factory=list)  # [(Sequence, num_new_tokens)]; the runner orders the batch
     copies: list = field(default_factory=list)  # [(src_block, dst_block)] copy-on-write before the step
     preempted: list = field(default_factory=list)
 

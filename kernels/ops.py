@@ -1,9 +1,12 @@
 """The fused ops the model calls, each dispatched by device.
 
-CUDA tensors go to the Triton kernel of the op (kernels/<op>.py), everything else to
-the plain-torch version in kernels/reference.py. Both have the same signature, so
+CUDA tensors go to the GPU wrapper of the op (its module in _TRITON_MODULE below), everything
+else to the plain-torch version in kernels/reference.py. Both have the same signature, so
 the model code never branches on the backend. The Triton modules are imported on
-first CUDA use, so a CPU-only install never imports triton.
+first CUDA use, so a CPU-only install never imports triton. On sm_90 three wrappers hand
+some shapes on to a Gluon kernel: int8_gemm to int8_gemm_hopper.py (large M) and
+int8_gemm_swap.py (small M), prefill_attention to prefill_attention_hopper.py and
+decode_attention to decode_attention_hopper.py; each wrapper module's docstring says when.
 """
 
 import functools

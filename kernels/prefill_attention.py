@@ -25,7 +25,7 @@ per step (see _tile_map).
 
 On sm_90 a float cache at the head_dims of attention_configs.PREFILL_WS runs the warp-specialized Gluon kernel
 of prefill_attention_hopper.py instead (same contract and tile map), and so does a long int8-cache prefill, on
-a bf16 copy of its blocks made by kv_dequant.py (`_hopper_operands` decides).
+a copy of its blocks in q's 16-bit dtype made by kv_dequant.py (`_hopper_operands` decides).
 
 Requirements: q [T, Hq, D] float16/bfloat16/float32 with a contiguous last dim; power-of-two
 head_dim; block_tables int32/int64 [B, max_blocks]; cu_seqlens_q [B+1] and seq_lens [B]
@@ -403,7 +403,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_se
 def _hopper_operands(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, quant):
     """(K cache, V cache, block table) for the warp-specialized Hopper kernel (prefill_attention_hopper.py), or
     None when the Triton kernel runs: a float cache as it is, where that kernel's ws_ok takes it; an int8 cache as
-    a dequantized bf16 copy of its blocks (kv_dequant.py), where _int8_via_float says so and the copy fits in
+    a dequantized copy of its blocks in q's dtype (kv_dequant.py), where _int8_via_float says so and the copy fits in
     memory (out of memory, the Triton kernel reads the int8 cache itself)."""
     if not q.is_cuda or not compiled():
         return None

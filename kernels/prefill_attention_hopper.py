@@ -33,8 +33,8 @@ program's start and end dominated. The persistent grid then took 512 tokens from
 At head_dim 64 (4 ring slots) the persistent kernel beat the Triton kernel at every length, 5 % at 256 tokens to
 15 % at 4k; one program per item had been slower up to 4k.
 prefill_attention takes it for every call ws_ok accepts (attention_configs.PREFILL_WS), and for long int8-cache
-prefills on a bf16 copy of their blocks (kv_dequant.py). Gluon has no CPU interpreter: on the CPU, on other GPUs,
-for short int8-cache prefills and for shapes ws_ok rejects, the Triton kernel runs. A CPU test compiles this
+prefills on a 16-bit float copy of their blocks (kv_dequant.py). Gluon has no CPU interpreter: on the CPU, on other
+GPUs, for short int8-cache prefills and for shapes ws_ok rejects, the Triton kernel runs. A CPU test compiles this
 kernel for sm_90; GPU tests hold it to FlashAttention's accuracy rule.
 """
 

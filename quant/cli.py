@@ -164,7 +164,7 @@ channel, activations int8 per token at run time, SmoothQuant folded into norms a
 and eightbit's int8 KV-cache scheme recorded in config.json. Runs layer by layer, so models
 larger than RAM convert from HF safetensors (a GGUF is first converted whole, in memory, by
 transformers). OUT is written atomically: a failed or interrupted run (Ctrl-C,
-SIGTERM) leaves nothing.
+SIGTERM, SIGHUP) leaves nothing.
 
   eightbit quantize SRC OUT    quantize SRC into OUT
   eightbit quantize OUT        quantize the embedded SmolLM2-135M-Instruct into OUT (one path is
