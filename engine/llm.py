@@ -30,8 +30,8 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None):
-        """prompts: a str, a list of str, or a list of token-id lists; sampling_params and priority: one, or one
-        per prompt.
+        """prompts: one prompt or a list (a prompt: a str, a list of token ids, or vLLM's {"prompt"} /
+        {"prompt_token_ids"} dict); sampling_params and priority: one, or one per prompt.
 
         Returns one RequestOutput per prompt, in prompt order. Invalid input raises before anything runs; an
         exception while it runs (Ctrl-C included) aborts this call's requests, so the engine stays usable.

@@ -16,7 +16,7 @@ import torch
 from eightbit.engine.context import Context, reset_context, set_context
 from eightbit.engine.sampler import gather_logprobs, logprobs_to_dicts
 from eightbit.engine.transfer import host_tensor_to_device, to_device
-from eightbit.kernels.reference import v_cache_shape
+from eightbit.kernels.checks import v_cache_shape
 
 LOGITS_CHUNK = 256  # prompt positions per lm_head call when scoring
 PREFILL_GRAPH_SEQS = 8  # sequences a prefill graph takes

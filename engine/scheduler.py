@@ -81,7 +81,7 @@ class Scheduler:
             self.waiting.pop(0)
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)  # after every running one: preserves the sort order within this step
+            self.running.append(seq)  # in this step's batch after every running one; sorted into place below
             seats += self._seats(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append((seq, n))

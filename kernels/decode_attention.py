@@ -16,7 +16,7 @@ Stage 1, grid (Hkv, B, num_splits), one program per (kv head, sequence, context 
     cache is key-minor (reference.py): for P·V each thread needs consecutive keys, which a
     token-major int8 tile could only give one byte per shared-memory load.
   * With one split the program writes the output directly; otherwise it writes its
-    normalized partial output (fp32) and log2-sum-exp, and
+    normalized partial output (fp32) and log2-sum-exp for stage 2.
 Stage 2, grid (B, Hq), merges the splits: o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)
 (attention_configs.REDUCE_CHUNKS: 4, 16 or 128 splits per step, the smallest that holds the count, on 1, 1 or 4
 warps, with a running max: the count itself is not compiled in).

@@ -74,7 +74,8 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         bias = linear_has_bias(config, "mlp.gate_proj")
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias, {0: inter, 1: inter}, quantized, dtype)
-        self.down_proj = Linear(inter, config.hidden_size, bias, None, quantized, dtype)
+        self.down_proj = Linear(inter, config.hidden_size, linear_has_bias(config, "mlp.down_proj"), None, quantized,
+                                dtype)
         self.act = SiluAndMul()
         self.act.quantize_output = quantized
 
