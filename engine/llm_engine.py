@@ -47,8 +47,9 @@ class LaunchedStep:
     scheduled: list  # [(Sequence, num_new_tokens)] as run
     seqs: list  # the sequences that sampled, in row order (n > 1 forks included)
     tokens: torch.Tensor | None  # [len(seqs)] int64 on the device (the next step's input)
-    host: tuple = ()  # the sampled tokens (then gather_logprobs' three tensors, if asked) on the host
-    ready: object = None  # CUDA event: `host` is filled once it has passed
+    host_tokens: torch.Tensor | None = None  # the sampled tokens, on the host
+    host_logprobs: tuple = ()  # gather_logprobs' three tensors on the host, where a sequence asked for log-probs
+    ready: object = None  # CUDA event: the host tensors are filled once it has passed
 
 
 def freeze_startup_heap():
@@ -339,7 +340,8 @@ class LLMEngine:
                         SamplingTensors.from_params(params, logits.device), [s.generator for s in seqs], self.generator)
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = gather_logprobs(logits, tokens, k) if k is not None else ()  # raw logits, as vLLM reports
-        return LaunchedStep(scheduled, seqs, tokens, *_copy_to_host((tokens, *logprobs)))
+        host, ready = _copy_to_host((tokens, *logprobs))
+        return LaunchedStep(scheduled, seqs, tokens, host[0], host[1:], ready)
 
     def _adjusted_logits(self, logits, seqs, in_flight):
         """The logits as the sequences' SamplingParams change them before sampling (sampler.adjust_logits: bias,
@@ -383,9 +385,9 @@ class LLMEngine:
         live = [(i, s) for i, s in enumerate(launched.seqs) if not s.is_finished]
         tokens = self._tokens_to_host(launched) if live else []
         logprob_dicts = None
-        if len(launched.host) > 1 and live:
+        if launched.host_logprobs and live:
             ks = [s.params.logprobs or 0 for s in launched.seqs]
-            logprob_dicts = logprobs_to_dicts(*launched.host, ks)
+            logprob_dicts = logprobs_to_dicts(launched.host_tokens, *launched.host_logprobs, ks)
         for i, seq in live:
             seq.token_ids.append(tokens[i])
         for seq, _ in launched.scheduled:  # after the append: a continuation in flight counts as computed
@@ -411,7 +413,7 @@ class LLMEngine:
         """The step's sampled tokens as ints: where the host waits for the GPU to finish the step."""
         if launched.ready is not None:
             launched.ready.synchronize()
-        return launched.host[0].tolist()
+        return launched.host_tokens.tolist()
 
     def _fork_and_rows(self, sample_seqs):
         """Expand requests with n > 1 whose prompt just finished: the n samples share its blocks."""

@@ -8,10 +8,10 @@ from eightbit.kernels import ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps, dtype=torch.bfloat16):
+    def __init__(self, hidden_size, eps, dtype=torch.bfloat16, quantize_output=False):
         super().__init__()
         self.eps = eps
-        self.quantize_output = False  # set when every consumer of the output is a W8A8 linear
+        self.quantize_output = quantize_output  # True where every consumer of the output is a W8A8 linear
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x, residual=None):
@@ -25,9 +25,9 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """SiLU(gate) * up on the fused gate|up output, optionally quantized for a W8A8 down projection."""
 
-    def __init__(self):
+    def __init__(self, quantize_output=False):
         super().__init__()
-        self.quantize_output = False
+        self.quantize_output = quantize_output
 
     def forward(self, gate_up):
         if self.quantize_output:

@@ -76,8 +76,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias, {0: inter, 1: inter}, quantized, dtype)
         self.down_proj = Linear(inter, config.hidden_size, linear_has_bias(config, "mlp.down_proj"), None, quantized,
                                 dtype)
-        self.act = SiluAndMul()
-        self.act.quantize_output = quantized
+        self.act = SiluAndMul(quantize_output=quantized)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -86,12 +85,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, quantized, dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, quantize_output=quantized)
         self.self_attn = LlamaAttention(config, quantized, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                                quantize_output=quantized)
         self.mlp = LlamaMLP(config, quantized, dtype)
-        self.input_layernorm.quantize_output = quantized
-        self.post_attention_layernorm.quantize_output = quantized
 
     def forward(self, positions, hidden, residual):
         if residual is None:  # first layer: the embeddings start the residual stream
