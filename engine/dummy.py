@@ -44,7 +44,7 @@ def dummy_config(model):
 
 @torch.no_grad()
 def load_dummy_model(config):
-    from eightbit.engine.loader import LoadedModel, build_model
+    from eightbit.engine.loader import LoadedModel, build_model, read_quantization
 
     hf_config = dummy_config(config.model)
     model = build_model(hf_config, False, config.torch_dtype, config.device, config.max_model_len)
@@ -54,7 +54,10 @@ def load_dummy_model(config):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
-    quantized = config.quantization == "w8a8"
+    # the config of an int8 checkpoint folder: int8 linears and its KV groups, as the checkpoint itself would load
+    scheme = read_quantization(hf_config)
+    quantized = config.quantization == "w8a8" or scheme is not None
     if quantized:
         model.quantize_linears_()
-    return LoadedModel(model, hf_config, None, [], None, quantized)
+    kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
+    return LoadedModel(model, hf_config, None, [], kv_group_size, quantized)

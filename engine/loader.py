@@ -35,7 +35,7 @@ def load_model(config) -> LoadedModel:
         return load_dummy_model(config)
     ckpt = open_checkpoint(config.model)
     hf_config = ckpt.config
-    scheme = _read_quantization(hf_config)
+    scheme = read_quantization(hf_config)
     # a float checkpoint with quantization="w8a8": the linears are built int8 and quantize each weight as it loads
     # (round-to-nearest per channel, no smoothing), so the float weights never sit in memory all at once
     quantize_on_load = config.quantization == "w8a8" and scheme is None
@@ -49,7 +49,7 @@ def load_model(config) -> LoadedModel:
     return LoadedModel(model, hf_config, tokenizer, ckpt.eos_token_ids, kv_group_size, quantized)
 
 
-def _read_quantization(hf_config):
+def read_quantization(hf_config):
     """The int8 scheme of a quantized checkpoint, None for a float one; unsupported formats raise."""
     if not getattr(hf_config, "quantization_config", None):
         return None

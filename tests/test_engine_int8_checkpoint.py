@@ -29,6 +29,11 @@ def test_quantized_checkpoint_loads_and_stays_close_to_float(tmp_path):
     assert not torch.equal(a, b)
     # mean |difference| 0.085 nats (W8A8 + int8 KV); per-tensor activation scales instead of per-token give 0.145
     assert (a - b).abs().mean() < 0.12
+    # dummy weights of the folder's shape are its format too (they were float, with the default KV groups: a
+    # benchmark pointed at an int8 checkpoint measured a float model)
+    dummy = LLM(str(tmp_path / "int8"), load_format="dummy", kv_cache_dtype="int8", **options)
+    assert dummy.engine.quantized and dummy.engine.kv_group_size == 16
+    assert dummy.engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
 
 
 W8A8_FAMILIES = {
