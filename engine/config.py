@@ -98,4 +98,10 @@ def checked_device(name) -> torch.device:
         raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU (torch sees none)")
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+    # the kernel launches, CUDA graphs, events and memory queries all use the current device
+    if device.index is not None and device.index != torch.cuda.current_device():
+        index = device.index
+        raise ValueError(f"device {name!r} is not the current CUDA device (cuda:{torch.cuda.current_device()}): "
+                         f"eightbit runs on the current one; select GPU {index} with CUDA_VISIBLE_DEVICES={index}, "
+                         f"or torch.cuda.set_device({index}) before building the engine")
     return device

@@ -277,6 +277,19 @@ def test_cuda_device_without_a_gpu_is_a_clear_error():
         EngineConfig(device="cuda")
 
 
+def test_a_gpu_other_than_the_current_one_is_refused(monkeypatch):
+    """cuda:1 was accepted, but the kernels, graphs, events and memory queries ran on the current device (cuda:0)
+    with pointers into GPU 1's memory. (Simulated: a machine of two GPUs whose current one is cuda:0.)"""
+    from eightbit.engine.config import checked_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert checked_device("cuda:0") == torch.device("cuda:0") and checked_device("cuda") == torch.device("cuda")
+    with pytest.raises(ValueError, match=r"'cuda:1' is not the current CUDA device \(cuda:0\).*CUDA_VISIBLE_DEVICES=1"):
+        checked_device("cuda:1")
+
+
 def _assert_idle(engine):
     assert not engine.requests and not engine.has_unfinished_requests()
     assert engine.block_manager.num_used_blocks == 0
