@@ -616,8 +616,10 @@ def test_a_nan_in_a_row_gives_it_a_nan_scale_as_in_torch():
 
 @cpu
 def test_row_kernels_reject_bad_inputs_cpu():
-    with pytest.raises(TypeError, match="x must be float16, bfloat16 or float32"):
+    with pytest.raises(TypeError, match="quant_per_token: x must be a float tensor, got torch.int32"):
         quant_per_token(torch.zeros(2, 8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="x must be float16, bfloat16 or float32"):  # float64: the reference's only
+        quant_per_token(torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
         rmsnorm_quant(torch.zeros(2, 8), torch.ones(7), 1e-5)
     with pytest.raises(ValueError, match=r"residual shape \(3, 8\) != x shape \(2, 8\)"):
