@@ -94,7 +94,7 @@ class LLMEngine:
         self.runner.block_manager = self.block_manager
         self.runner.allocate_kv_cache(num_blocks, self.kv_dtype, self.kv_group_size)
         if self.on_cuda and not config.enforce_eager:
-            self.runner.capture_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH), self.max_model_len,
+            self.runner.capture_graphs(self._max_graph_batch(), self.max_model_len,
                                        min(config.max_num_batched_tokens, self.max_model_len, MAX_GRAPH_PREFILL))
         self.scheduler = Scheduler(config, self.block_manager)
         self.generator = make_generator(config.seed, config.device)  # for requests without a seed of their own
@@ -146,8 +146,13 @@ class LLMEngine:
         fixed part stays reserved, so the KV cache does not grow with a flag meant for debugging."""
         if self.config.enforce_eager:
             return GRAPH_RESERVE_BYTES
-        rows = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
+        rows = self._max_graph_batch()
         return GRAPH_RESERVE_BYTES + rows * self.hf_config.vocab_size * (4 + self.config.torch_dtype.itemsize)
+
+    def _max_graph_batch(self) -> int:
+        """The largest decode batch a graph is captured for: a step holds at most max_num_seqs sequences, and at
+        most max_num_batched_tokens, since each takes at least one token of the budget."""
+        return min(self.config.max_num_seqs, self.config.max_num_batched_tokens, MAX_GRAPH_BATCH)
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -161,9 +166,18 @@ class LLMEngine:
                                                    self.kv_dtype, self.kv_group_size)
             free, total = torch.cuda.mem_get_info()
             other_processes = total - free - torch.cuda.memory_reserved()
-            budget = (total * c.gpu_memory_utilization - other_processes - peak - self._graph_bytes()
-                      - self._transient_attention_bytes())
-            num_blocks = max(int(budget // bytes_per_block), 0)
+            reserved = self._graph_bytes() + self._transient_attention_bytes()
+            budget = total * c.gpu_memory_utilization - other_processes - peak - reserved
+            if budget < bytes_per_block:
+                raise ValueError(
+                    f"no GPU memory is left for the KV cache: {c.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                    f"less {other_processes / 2**30:.1f} GiB held by other processes, the weights and the biggest "
+                    f"step's activations ({peak / 2**30:.1f} GiB, measured at max_num_batched_tokens="
+                    f"{c.max_num_batched_tokens} and max_num_seqs={c.max_num_seqs}) and "
+                    f"{reserved / 2**30:.1f} GiB for CUDA graphs and transient attention copies, leaves "
+                    f"{budget / 2**30:.2f} GiB: raise gpu_memory_utilization, or lower max_num_batched_tokens / "
+                    f"max_num_seqs")
+            num_blocks = int(budget // bytes_per_block)
         capacity = num_blocks * c.block_size
         if capacity < self.max_model_len:
             raise ValueError(

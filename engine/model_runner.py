@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from eightbit.engine.context import Context, reset_context, set_context
-from eightbit.engine.sampler import gather_logprobs, logprobs_to_dicts
+from eightbit.engine.sampler import SamplingTensors, gather_logprobs, logprobs_to_dicts, sample
+from eightbit.engine.sampling_params import SamplingParams
 from eightbit.engine.transfer import host_tensor_to_device, to_device
 from eightbit.kernels.checks import v_cache_shape
 
@@ -258,7 +259,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len, kv_dtype, kv_group_size) -> int:
-        """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits), in bytes.
+        """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits sampled with every
+        filter on and log-probs: sorting them for top-p takes several times the logits' own bytes), in bytes.
 
         The budget is split into prompts of at most max_model_len tokens: a step can batch several, so a
         max_model_len below the budget does not make the step smaller. Runs with a temporary KV cache of the
@@ -272,7 +274,11 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         hidden = self._run_eager(*prefill_inputs(lens, blocks // len(lens), self.block_size))
         rows = min(num_logit_rows, num_tokens)
-        self.model.compute_logits(hidden[:rows]).softmax(-1)
+        logits = self.model.compute_logits(hidden[:rows])
+        worst = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=20)
+        tokens = sample(logits, SamplingTensors.from_params([worst] * rows, logits.device))
+        gather_logprobs(logits, tokens, worst.logprobs)
+        del logits, tokens
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - cache_bytes
         del hidden

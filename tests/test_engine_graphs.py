@@ -162,3 +162,28 @@ def test_kv_budget_reserves_the_decode_graphs_logits_cpu():
     assert llm.engine._graph_bytes() - GRAPH_RESERVE_BYTES >= logits.numel() * logits.element_size() + cast_from
     eager = LLM("llama-tiny", **dict(OPTIONS, max_num_seqs=8, enforce_eager=True))
     assert eager.engine._graph_bytes() == GRAPH_RESERVE_BYTES
+    # a decode step holds at most max_num_batched_tokens sequences (each takes a token of the budget): no graph
+    # and no logits rows for more (64 seats with a budget of 16 captured 32, 48 and 64 and reserved 64 rows)
+    engine = LLM("llama-tiny", **dict(OPTIONS, max_num_seqs=64, max_num_batched_tokens=16)).engine
+    per_row = engine.hf_config.vocab_size * (4 + engine.config.torch_dtype.itemsize)
+    assert engine._max_graph_batch() == 16 and engine._graph_bytes() - GRAPH_RESERVE_BYTES == 16 * per_row
+
+
+def test_a_kv_budget_used_up_by_the_step_says_what_took_it(monkeypatch):
+    """It said the cache "holds 0 tokens (0 blocks of 16)", as if it were merely small, without the measured step or
+    the options that size it. (Simulated: an 80 GiB card whose weights and biggest step take 70 GiB.)"""
+    from eightbit.engine import llm_engine
+
+    llm = LLM("llama-tiny", **dict(OPTIONS, max_model_len=256))
+    engine = llm.engine
+    monkeypatch.setattr(llm_engine.LLMEngine, "on_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * 2**30)
+    monkeypatch.setattr(engine.runner, "profile_peak_memory", lambda *args: 70 * 2**30)
+    monkeypatch.setattr(engine.config, "num_kv_blocks", None)
+    monkeypatch.setattr(engine.config, "kv_cache_memory_gb", None)
+    with pytest.raises(ValueError, match=r"no GPU memory is left for the KV cache: 0.9 of 80.0 GiB, less 10.0 GiB held "
+                                         r"by other processes, the weights and the biggest step's activations \(70.0 "
+                                         r"GiB, measured at max_num_batched_tokens=\d+ and max_num_seqs=\d+\).*raise "
+                                         r"gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"):
+        engine._num_kv_blocks()
