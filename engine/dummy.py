@@ -1,8 +1,8 @@
 """Random-weight models of real shapes, for benchmarks that need no checkpoint.
 
 `LLM(model="llama-3-8b", load_format="dummy")` builds the named shape (or reads a config
-dir's config.json) and fills every weight with N(0, 0.02) noise, then quantizes the
-linears on the fly if `quantization="w8a8"`. No Llama tokenizer is available offline,
+dir's config.json) and fills every weight with N(0, 0.02) noise (the norms' with 1), then quantizes
+the linears on the fly if `quantization="w8a8"` (or the dir is an int8 checkpoint's). No Llama tokenizer is available offline,
 so dummy models take token-id prompts and produce no text (only token ids).
 """
 
@@ -43,10 +43,15 @@ def dummy_config(model):
 
 
 @torch.no_grad()
-def load_dummy_model(config):
+def load_dummy_model(config, check=None):
     from eightbit.engine.loader import LoadedModel, build_model, read_quantization
 
     hf_config = dummy_config(config.model)
+    # the config of an int8 checkpoint folder: int8 linears and its KV groups, as the checkpoint itself would load
+    scheme = read_quantization(hf_config)
+    kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
+    if check is not None:
+        check(hf_config, kv_group_size)
     model = build_model(hf_config, False, config.torch_dtype, config.device, config.max_model_len)
     generator = torch.Generator(device=config.device).manual_seed(config.seed)
     for name, param in model.named_parameters():
@@ -54,10 +59,7 @@ def load_dummy_model(config):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
-    # the config of an int8 checkpoint folder: int8 linears and its KV groups, as the checkpoint itself would load
-    scheme = read_quantization(hf_config)
     quantized = config.quantization == "w8a8" or scheme is not None
     if quantized:
         model.quantize_linears_()
-    kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
     return LoadedModel(model, hf_config, None, [], kv_group_size, quantized)

@@ -32,7 +32,7 @@ from eightbit.engine.sampling_params import SamplingParams, is_int
 from eightbit.engine.scheduler import Scheduler
 from eightbit.engine.sequence import Request, Sequence
 from eightbit.engine.transfer import to_device
-from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme
+from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme, head_dim
 
 CPU_KV_CACHE_GB = 1.0
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
@@ -79,12 +79,14 @@ def _copy_to_host(tensors):
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        loaded = load_model(config)
+        # max_model_len and the KV groups are checked against the model's config before its weights load
+        loaded = load_model(config, check=lambda hf_config, group: (self._max_model_len(hf_config),
+                                                                    self._kv_format(hf_config, group)))
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.quantized = loaded.quantized
-        self.max_model_len = self._max_model_len()
-        self.kv_dtype, self.kv_group_size = self._kv_format(loaded.kv_group_size)
+        self.max_model_len = self._max_model_len(self.hf_config)
+        self.kv_dtype, self.kv_group_size = self._kv_format(self.hf_config, loaded.kv_group_size)
         self.runner = ModelRunner(self.model, config.block_size, config.device)
         if self.on_cuda:
             self.runner.compile_gemms(config.max_num_batched_tokens)
@@ -110,22 +112,22 @@ class LLMEngine:
     def on_cuda(self) -> bool:
         return torch.device(self.config.device).type == "cuda"
 
-    def _max_model_len(self) -> int:
-        limit = context_limit(self.hf_config)
+    def _max_model_len(self, hf_config) -> int:
+        limit = context_limit(hf_config)
         wanted = self.config.max_model_len or limit
-        if wanted > self.hf_config.max_position_embeddings:
+        if wanted > hf_config.max_position_embeddings:
             raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings="
-                             f"{self.hf_config.max_position_embeddings}")
+                             f"{hf_config.max_position_embeddings}")
         if wanted > limit:
             raise ValueError(f"max_model_len={wanted} exceeds the model's sliding window of {limit} tokens "
                              f"(sliding-window attention is not implemented; up to the window it equals full attention)")
         return wanted
 
-    def _kv_format(self, checkpoint_group_size):
+    def _kv_format(self, hf_config, checkpoint_group_size):
         if self.config.kv_cache_dtype != "int8":
             return self.config.torch_dtype, None
         group = self.config.kv_group_size or checkpoint_group_size or DEFAULT_KV_GROUP_SIZE
-        KVCacheScheme(group_size=group).check_head_dim(self.model.attention_layers()[0].head_dim)
+        KVCacheScheme(group_size=group).check_head_dim(head_dim(hf_config))
         return torch.int8, group
 
     @property

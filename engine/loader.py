@@ -28,14 +28,19 @@ class LoadedModel:
     quantized: bool
 
 
-def load_model(config) -> LoadedModel:
+def load_model(config, check=None) -> LoadedModel:
+    """The model of config.model (an HF folder, a GGUF, an int8 checkpoint; or dummy weights of its shape).
+    check(hf_config, checkpoint's KV group size or None) runs before any weight loads: its error costs seconds."""
     if config.load_format == "dummy":
         from eightbit.engine.dummy import load_dummy_model
 
-        return load_dummy_model(config)
+        return load_dummy_model(config, check)
     ckpt = open_checkpoint(config.model)
     hf_config = ckpt.config
     scheme = read_quantization(hf_config)
+    kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
+    if check is not None:
+        check(hf_config, kv_group_size)
     # a float checkpoint with quantization="w8a8": the linears are built int8 and quantize each weight as it loads
     # (round-to-nearest per channel, no smoothing), so the float weights never sit in memory all at once
     quantize_on_load = config.quantization == "w8a8" and scheme is None
@@ -45,7 +50,6 @@ def load_model(config) -> LoadedModel:
         linear.quantize_on_load = True
     tokenizer = ckpt.load_tokenizer()  # before the weights: a checkpoint without one fails in seconds, not minutes
     load_weights(model, ((name, ckpt.get_tensor(name)) for name in ckpt.tensor_names()))
-    kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
     return LoadedModel(model, hf_config, tokenizer, ckpt.eos_token_ids, kv_group_size, quantized)
 
 

@@ -277,6 +277,19 @@ def test_cuda_device_without_a_gpu_is_a_clear_error():
         EngineConfig(device="cuda")
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(max_model_len=10**6), "max_model_len=1000000 exceeds the model's max_position_embeddings=8192"),
+    (dict(kv_cache_dtype="int8", kv_group_size=128), "group size 128 does not fit head_dim 64"),
+])
+def test_options_that_do_not_fit_the_model_are_refused_before_its_weights_load(make_llm, monkeypatch, options,
+                                                                                message):
+    from eightbit.engine import loader
+
+    monkeypatch.setattr(loader, "load_weights", lambda *args: pytest.fail("the weights started loading"))
+    with pytest.raises(ValueError, match=message):
+        make_llm(**options)
+
+
 def test_a_gpu_other_than_the_current_one_is_refused(monkeypatch):
     """cuda:1 was accepted, but the kernels, graphs, events and memory queries ran on the current device (cuda:0)
     with pointers into GPU 1's memory. (Simulated: a machine of two GPUs whose current one is cuda:0.)"""
