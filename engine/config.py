@@ -98,10 +98,12 @@ def checked_device(name) -> torch.device:
         raise ValueError(f"device {name!r} asked for, but this machine has no CUDA GPU (torch sees none)")
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
-    # the kernel launches, CUDA graphs, events and memory queries all use the current device
-    if device.index is not None and device.index != torch.cuda.current_device():
+    # the kernel launches, CUDA graphs, events and memory queries all use the current device (cuda:0 until CUDA is
+    # initialized: asking earlier would initialize it, in a server's front process too)
+    current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    if device.index is not None and device.index != current:
         index = device.index
-        raise ValueError(f"device {name!r} is not the current CUDA device (cuda:{torch.cuda.current_device()}): "
+        raise ValueError(f"device {name!r} is not the current CUDA device (cuda:{current}): "
                          f"eightbit runs on the current one; select GPU {index} with CUDA_VISIBLE_DEVICES={index}, "
                          f"or torch.cuda.set_device({index}) before building the engine")
     return device

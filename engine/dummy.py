@@ -1,9 +1,10 @@
 """Random-weight models of real shapes, for benchmarks that need no checkpoint.
 
 `LLM(model="llama-3-8b", load_format="dummy")` builds the named shape (or reads a config
-dir's config.json) and fills every weight with N(0, 0.02) noise (the norms' with 1), then quantizes
-the linears on the fly if `quantization="w8a8"` (or the dir is an int8 checkpoint's). No Llama tokenizer is available offline,
-so dummy models take token-id prompts and produce no text (only token ids).
+dir's config.json) and fills every weight with N(0, 0.02) noise (the norms' with 1), then
+quantizes the linears on the fly if `quantization="w8a8"` (or the dir is an int8 checkpoint's).
+No Llama tokenizer is available offline, so dummy models take token-id prompts and produce no
+text (only token ids).
 """
 
 import os
@@ -45,10 +46,15 @@ def dummy_config(model):
 @torch.no_grad()
 def load_dummy_model(config, check=None):
     from eightbit.engine.loader import LoadedModel, build_model, read_quantization
+    from eightbit.quant.checkpoint_format import UnsupportedQuantizationConfig
 
     hf_config = dummy_config(config.model)
-    # the config of an int8 checkpoint folder: int8 linears and its KV groups, as the checkpoint itself would load
-    scheme = read_quantization(hf_config)
+    # the config of an int8 checkpoint folder: int8 linears and its KV groups, as the checkpoint itself would load;
+    # another format's (AWQ, GPTQ, FP8) gives only its shape, as before
+    try:
+        scheme = read_quantization(hf_config)
+    except UnsupportedQuantizationConfig:
+        scheme = None
     kv_group_size = scheme.kv_cache.group_size if scheme is not None else None
     if check is not None:
         check(hf_config, kv_group_size)

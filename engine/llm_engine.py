@@ -323,13 +323,17 @@ class LLMEngine:
             return aborted + self._complete_step(launched)
         except BaseException:  # a Ctrl-C or an error: the requests of other callers must still run on
             self._aborted = aborted + self._aborted
+            # a request that finished in this step before the failure still reports its end (its stream would wait)
+            self._aborted += [self._output(r, {}) for r in list(self.requests.values()) if r.is_finished]
             self._resample_lost_tokens()
             raise
 
     def _resample_lost_tokens(self):
         """After a step that did not complete: a sequence counted as computed up to its last token has lost the
-        token sampled from it (it never reached token_ids), so its last token runs again and samples anew (its
-        KV is written again, with the same values; a seeded generator has moved on, so the sample may differ)."""
+        token sampled from it (it never reached token_ids), so its last token runs again and samples anew (its KV is
+        written again, the same up to rounding; a seeded generator has moved on, so the sample may differ). The
+        likely place for a Ctrl-C is the wait for the GPU (_tokens_to_host); one that lands inside the host's token
+        processing after it can leave a token appended but not detokenized."""
         self._in_flight = None
         for seq in self.scheduler.running:
             if not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens:

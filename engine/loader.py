@@ -30,7 +30,8 @@ class LoadedModel:
 
 def load_model(config, check=None) -> LoadedModel:
     """The model of config.model (an HF folder, a GGUF, an int8 checkpoint; or dummy weights of its shape).
-    check(hf_config, checkpoint's KV group size or None) runs before any weight loads: its error costs seconds."""
+    check(hf_config, checkpoint's KV group size or None) runs before any weight loads (after a GGUF's conversion,
+    which needs its config)."""
     if config.load_format == "dummy":
         from eightbit.engine.dummy import load_dummy_model
 

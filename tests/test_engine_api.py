@@ -297,10 +297,15 @@ def test_a_gpu_other_than_the_current_one_is_refused(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("CUDA initialized by a config check"))
     assert checked_device("cuda:0") == torch.device("cuda:0") and checked_device("cuda") == torch.device("cuda")
     with pytest.raises(ValueError, match=r"'cuda:1' is not the current CUDA device \(cuda:0\).*CUDA_VISIBLE_DEVICES=1"):
         checked_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # and once CUDA is up, its current device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert checked_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"'cuda:0' is not the current CUDA device \(cuda:1\)"):
+        checked_device("cuda:0")
 
 
 def _assert_idle(engine):
@@ -449,6 +454,40 @@ def test_a_ctrl_c_inside_one_call_leaves_the_other_calls_requests_running(llm, m
         ids = out.outputs[0].token_ids
     assert ids == want[0].outputs[0].token_ids
     assert texts(llm.generate([PROMPTS[2]], params, use_tqdm=False)) == texts(want[1:])
+    _assert_idle(engine)
+
+
+def test_a_request_that_finished_in_a_step_that_failed_still_ends_its_stream(llm, monkeypatch):
+    """The step marked it finished, then failed before building its output: it stayed in engine.requests and its
+    stream called step() forever."""
+    engine, outer = llm.engine, {}
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    real = engine._process_token
+
+    def interrupt_when_it_finishes(seq, token):
+        delta = real(seq, token)
+        if seq.request.request_id == outer.get("id") and seq.is_finished:
+            outer.pop("id")
+            raise KeyboardInterrupt
+        return delta
+
+    monkeypatch.setattr(engine, "_process_token", interrupt_when_it_finishes)
+    step, steps = engine.step, []
+
+    def bounded_step():  # a stream that never ends fails here instead of hanging
+        steps.append(1)
+        if len(steps) > 50:
+            pytest.fail("the stream did not end")
+        return step()
+
+    monkeypatch.setattr(engine, "step", bounded_step)
+    for i, (_, out) in enumerate(llm.stream(PROMPTS[0], params)):
+        if i == 0:
+            outer["id"] = out.request_id
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.finished and out.outputs[0].token_ids == want.token_ids and out.outputs[0].text == want.text
     _assert_idle(engine)
 
 

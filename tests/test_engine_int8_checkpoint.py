@@ -1,5 +1,7 @@
 """An `eightbit quantize` checkpoint runs in the engine: W8A8 linears from the file, the KV scheme it names."""
 
+import json
+
 import pytest
 import torch
 
@@ -34,6 +36,13 @@ def test_quantized_checkpoint_loads_and_stays_close_to_float(tmp_path):
     dummy = LLM(str(tmp_path / "int8"), load_format="dummy", kv_cache_dtype="int8", **options)
     assert dummy.engine.quantized and dummy.engine.kv_group_size == 16
     assert dummy.engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+    # another format's config (AWQ) still gives dummy weights of its shape, in float
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (tmp_path / "awq").mkdir()
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(config))
+    awq = LLM(str(tmp_path / "awq"), load_format="dummy", **options)
+    assert not awq.engine.quantized and awq.engine.model.model.layers[0].self_attn.qkv_proj.weight.is_floating_point()
 
 
 W8A8_FAMILIES = {
