@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from eightbit.engine.context import Context, reset_context, set_context
-from eightbit.engine.sampler import SamplingTensors, gather_logprobs, logprobs_to_dicts, sample
+from eightbit.engine.sampler import SamplingTensors, adjust_logits, gather_logprobs, logprobs_to_dicts, sample
 from eightbit.engine.sampling_params import SamplingParams
 from eightbit.engine.transfer import host_tensor_to_device, to_device
 from eightbit.kernels.checks import v_cache_shape
@@ -259,8 +259,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens, num_logit_rows, max_model_len, kv_dtype, kv_group_size) -> int:
-        """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits sampled with every
-        filter on and log-probs: sorting them for top-p takes several times the logits' own bytes), in bytes.
+        """Peak CUDA memory of the biggest step (a full token budget of prefill, plus logits adjusted by penalties and
+        sampled with every filter on and log-probs: top-p's sort takes several times the logits' bytes), in bytes.
 
         The budget is split into prompts of at most max_model_len tokens: a step can batch several, so a
         max_model_len below the budget does not make the step smaller. Runs with a temporary KV cache of the
@@ -275,10 +275,12 @@ class ModelRunner:
         hidden = self._run_eager(*prefill_inputs(lens, blocks // len(lens), self.block_size))
         rows = min(num_logit_rows, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
-        worst = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=20)
-        tokens = sample(logits, SamplingTensors.from_params([worst] * rows, logits.device))
+        worst = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, presence_penalty=0.5,
+                               frequency_penalty=0.5, repetition_penalty=1.1, logit_bias={0: 1.0})
+        adjusted = adjust_logits(logits, [worst] * rows, [[0, 1]] * rows, [1] * rows, [()] * rows)
+        tokens = sample(adjusted, SamplingTensors.from_params([worst] * rows, logits.device))
         gather_logprobs(logits, tokens, worst.logprobs)
-        del logits, tokens
+        del logits, adjusted, tokens
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - cache_bytes
         del hidden
