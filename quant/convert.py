@@ -116,7 +116,7 @@ def convert(
 
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
-        embed = _finite("model.embed_tokens.weight", checkpoint.get_tensor("model.embed_tokens.weight"))
+        embed = checkpoint.get_tensor("model.embed_tokens.weight")  # present, shaped and finite: DecoderLayers checked
         if calibration.input_ids.max() >= embed.shape[0]:
             raise QuantizeError("the calibration tokens exceed the model's vocabulary: tokenizer and model disagree")
         hidden = F.embedding(calibration.input_ids.to(device), embed.to(device, torch.float32))
@@ -161,13 +161,9 @@ def convert(
 
 
 def _add_tail(writer, checkpoint, tied) -> None:
-    """The final norm, and lm_head unless it is the embedding's."""
+    """The final norm, and lm_head unless it is the embedding's (present, shaped and finite: DecoderLayers checked)."""
     for name in ["model.norm.weight"] + ([] if tied else ["lm_head.weight"]):
-        try:
-            t = checkpoint.get_tensor(name)
-        except KeyError as e:
-            raise QuantizeError(f"the checkpoint has no tensor {name!r}") from e
-        writer.add(name, _finite(name, t).to(FLOAT_DTYPE))
+        writer.add(name, checkpoint.get_tensor(name).to(FLOAT_DTYPE))
 
 
 def source_model(checkpoint) -> str:

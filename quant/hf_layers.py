@@ -79,14 +79,14 @@ class DecoderLayers:
         rotary_cls = type(self.model.model.rotary_emb)
         self.rotary = rotary_cls(config=self.config)  # on the CPU: its buffers are computed, not loaded
         self._rope = {}
-        self._check_tensor_names()
-        self._check_outer_tensors()
+        have = set(checkpoint.tensor_names())
+        self._check_tensor_names(have)
+        self._check_outer_tensors(have)
 
-    def _check_tensor_names(self) -> None:
+    def _check_tensor_names(self, have: set) -> None:
         """Every tensor the config implies is in the checkpoint and every tensor in it is one the config implies,
         before any layer is calibrated: a tensor the model would not read (a bias the config says is absent,
         FP8 scales) would be dropped silently and the output be wrong."""
-        have = set(self.checkpoint.tensor_names())
         want = set(self.model.state_dict())
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         optional = {"lm_head.weight"} if tied else set()
@@ -100,10 +100,9 @@ class DecoderLayers:
                                 f"({len(extra)} in all): a bias the config says is absent, or quantization scales? "
                                 "Quantizing would drop them")
 
-    def _check_outer_tensors(self) -> None:
+    def _check_outer_tensors(self, have: set) -> None:
         """The embedding, final norm and lm_head: their shapes and values checked before any layer is calibrated
         (a wrong shape was written and then refused by the engine; NaN in lm_head was found after the last layer)."""
-        have = set(self.checkpoint.tensor_names())
         for name, p in self.model.state_dict().items():
             if name.startswith("model.layers.") or name not in have:
                 continue
