@@ -8,6 +8,7 @@ every configuration, so an interrupted run keeps what it finished.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import shlex
@@ -53,7 +54,7 @@ def add_eval_parser(subparsers):
     common(q)
     q.add_argument("--tasks", default="arc_easy,hellaswag,lambada",
                    help="comma list of arc_easy, hellaswag, lambada (default: all three)")
-    q.add_argument("--limit", type=int, default=None, help="first N items of each task (default: all)")
+    q.add_argument("--limit", type=int, default=None, help="first N items of each task, in the file's order (HellaSwag's 3,243 ActivityNet items come before its WikiHow ones; default: all)")
     q.add_argument("--max-model-len", type=int, default=2048, help="engine context (the longest item must fit)")
     q.set_defaults(func=run_tasks)
     return p
@@ -72,7 +73,7 @@ def _meta(args, extra) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     machine = " ".join(filter(None, (platform.machine(), platform.processor(), f"{os.cpu_count()} CPU cores")))
     if device.startswith("cuda") and torch.cuda.is_available():
-        machine += f", {torch.cuda.get_device_name()}"
+        machine += f", {torch.cuda.get_device_name(torch.device(device))}"
     return {
         "command": shlex.join(["eightbit", *getattr(args, "argv", ())]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -127,7 +128,7 @@ def _check_args(args, stem, positive):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not args.kv_cache_memory_gb > 0:
+    if not (math.isfinite(args.kv_cache_memory_gb) and args.kv_cache_memory_gb > 0):
         raise ValueError(f"--kv-cache-memory-gb must be > 0, got {args.kv_cache_memory_gb}")
     if args.device is not None:
         _check_device(args.device)
@@ -171,16 +172,19 @@ def _quiet_transformers(args) -> None:
 
 def run_ppl(args) -> int:
     from eightbit.eval import report
-    from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
-    from eightbit.eval.perplexity import evaluate_perplexity, make_windows, wikitext_text
+    from eightbit.eval.configs import (check_float_model, data_record, load_tokenizer, parse_configs,
+                                       resolve_data_dir, unpublished_note)
+    from eightbit.eval.perplexity import WIKITEXT_TEST, evaluate_perplexity, make_windows, wikitext_text
 
-    _check_args(args, "ppl", ("windows", "window_size"))
     if args.window_size < 2:
         raise ValueError(f"--window-size must be >= 2 (a window's first token is context only), got {args.window_size}")
+    _check_args(args, "ppl", ("windows",))
     _quiet_transformers(args)
     configs = parse_configs(args.configs)
     check_float_model(args.model)
     data_dir = resolve_data_dir(args.data_dir)
+    data = {"wikitext": data_record(data_dir, WIKITEXT_TEST)}
+    _print_unpublished(unpublished_note(data))
     text = wikitext_text(data_dir)
     tokenizer = load_tokenizer(args.model)
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -193,8 +197,9 @@ def run_ppl(args) -> int:
     print(f"[eval] WikiText-2 test: {len(ids):,} tokens, {len(windows)} of {total_windows} windows of {window}",
           flush=True)
     out = Path(args.out)
-    meta = _meta(args, {"dataset": "wikitext-2-raw-v1 test", "tokens": len(ids), "window": window,
-                        "windows": len(windows), "total_windows": total_windows})
+    meta = _meta(args, {"dataset": "wikitext-2-raw-v1 test", "data": data, "data_note": unpublished_note(data),
+                        "tokens": len(ids), "window": window, "windows": len(windows),
+                        "total_windows": total_windows})
     rows = []
     max_model_len = min(max_pos, -(-(window + 1) // 16) * 16)  # room for the window + the 1 sampled token
     for config, scorer, load_s in _scorers(args, configs, max_model_len, data_dir):
@@ -235,7 +240,16 @@ def _write_results(out, stem, meta, rows, header, table, draw, *extra):
 def _ppl_header(meta, rows) -> str:
     return (f"WikiText-2 raw test, {meta['windows']}/{meta['total_windows']} windows of {meta['window']} tokens "
             f"({next((r['scored_tokens'] for r in rows if 'scored_tokens' in r), 0):,} scored tokens), "
-            f"{meta['machine']}, {meta['date']}")
+            f"{meta['machine']}, {meta['date']}" + _note(meta))
+
+
+def _note(meta) -> str:
+    return f" ({meta['data_note']})" if meta.get("data_note") else ""
+
+
+def _print_unpublished(note):
+    if note:
+        print(f"[eval] note: {note}; its numbers are not comparable with results on the published files", flush=True)
 
 
 def _check_requests_fit(requests, max_model_len, max_pos, configs):
@@ -257,18 +271,23 @@ def _check_requests_fit(requests, max_model_len, max_pos, configs):
 
 def run_tasks(args) -> int:
     from eightbit.eval import report
-    from eightbit.eval.configs import check_float_model, load_tokenizer, parse_configs, resolve_data_dir
-    from eightbit.eval.tasks import TASKS, build_requests, evaluate_task, load_task
+    from eightbit.eval.configs import (check_float_model, data_record, load_tokenizer, parse_configs,
+                                       resolve_data_dir, unpublished_note)
+    from eightbit.eval.tasks import TASK_FILES, TASKS, build_requests, evaluate_task, load_task
 
     _check_args(args, "tasks", ("limit", "max_model_len"))
     _quiet_transformers(args)
     configs = parse_configs(args.configs)
     check_float_model(args.model)
     tasks = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))  # order kept, once each
+    if not tasks:
+        raise ValueError(f"--tasks names no task; known: {', '.join(TASKS)}")
     bad = [t for t in tasks if t not in TASKS]
-    if bad or not tasks:
+    if bad:
         raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS)}")
     data_dir = resolve_data_dir(args.data_dir)
+    data = {t: data_record(data_dir, TASK_FILES[t]) for t in tasks}
+    _print_unpublished(unpublished_note(data))
     items = {t: load_task(t, data_dir, args.limit) for t in tasks}
     tokenizer = load_tokenizer(args.model)
     print("[eval] " + ", ".join(f"{t}: {len(v)} items" for t, v in items.items()), flush=True)
@@ -281,11 +300,12 @@ def run_tasks(args) -> int:
         print(f"[eval] --max-model-len {args.max_model_len} capped at the model's context, {max_pos}", flush=True)
     _check_requests_fit(requests, max_model_len, max_pos, configs)
     out = Path(args.out)
-    meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}})
+    meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}, "data": data,
+                        "data_note": unpublished_note(data)})
     rows = []
 
     def write():
-        header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}"
+        header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}" + _note(meta)
         table = report.tasks_table(rows, tasks, meta["items"])
         chart = _write_results(out, "tasks", meta, rows, header, table, report.tasks_chart, tasks)
         args.results_written = True

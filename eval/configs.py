@@ -14,6 +14,7 @@ import atexit
 import gc
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -30,7 +31,9 @@ WIKITEXT_VALID = "wikitext-2/wiki.valid.raw"  # the SmoothQuant checkpoint's cal
 
 def resolve_data_dir(explicit=None) -> Path:
     """--data-dir, else $EIGHTBIT_DATA, else <repo>/../shared/data if it exists, else a clear error."""
-    if explicit:
+    if explicit is not None:
+        if not str(explicit).strip():
+            raise ValueError("--data-dir is empty")
         path = Path(explicit)
         if not path.is_dir():
             raise FileNotFoundError(f"--data-dir {path} is not a directory")
@@ -56,6 +59,31 @@ def data_file(data_dir: Path, relative: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (data dir {data_dir})")
     return path
+
+
+# sha256 of the published files (../shared/data/*/README.md gives each one's source)
+PUBLISHED_SHA256 = {
+    "wikitext-2/wiki.test.raw": "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08",
+    "lambada/lambada_test.jsonl": "4aa8d02cd17c719165fc8a7887fddd641f43fcafa4b1c806ca8abc31fabdb226",
+    "hellaswag/hellaswag_val_full.txt": "d572539320eb2050e858ca34b495bbe2103e3b3f1391a9c3bcdf215b0bb93bd1",
+    "arc-easy/ARC-Easy-Test.jsonl": "1d47e415603543fa371f8990b14926a7e18b7874f455f6ea1a97a7ac749ff409",
+}
+
+
+def data_record(data_dir: Path, relative: str) -> dict:
+    """Which file a result was scored on: its path, size, sha256, and whether it is the published copy (a copy
+    with other line ends or edits scores differently under the same task name)."""
+    path = data_file(data_dir, relative)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"file": str(path.resolve()), "bytes": path.stat().st_size, "sha256": sha,
+            "published": sha == PUBLISHED_SHA256.get(relative)}
+
+
+def unpublished_note(records: dict) -> str:
+    """'' when every data file is the published copy, else a note naming those that are not."""
+    other = [f"{name} ({Path(r['file']).name}, sha256 {r['sha256'][:12]}…)" for name, r in records.items()
+             if not r["published"]]
+    return f"not the published data: {', '.join(other)}" if other else ""
 
 
 # --- configurations -----------------------------------------------------------------------
@@ -146,6 +174,15 @@ class Score:
     num_tokens: int
 
 
+def check_finite(scores, name) -> None:
+    """A model whose log-likelihoods are NaN or infinite has failed: its greedy matches and argmaxes would be
+    numbers that were never measured (NaN compares false: LAMBADA would count every token as greedy)."""
+    bad = sum(not math.isfinite(s.logprob) for s in scores)
+    if bad:
+        raise ValueError(f"{name}: {bad} of {len(scores)} requests scored a log-likelihood that is NaN or "
+                         "infinite: the model's logits are not finite")
+
+
 @dataclass
 class Scorer:
     """Base class: a loaded model that scores (token ids, start) requests."""
@@ -193,7 +230,7 @@ def score_from_prompt_logprobs(tokens, start, prompt_logprobs, need_greedy) -> S
         entry = prompt_logprobs[i]
         lp = entry[tokens[i]]
         total += lp
-        if need_greedy and any(v > lp for t, v in entry.items() if t != tokens[i]):
+        if need_greedy and any(not lp >= v for t, v in entry.items() if t != tokens[i]):  # NaN: not greedy
             greedy = False
     return Score(total, greedy and need_greedy, len(tokens) - start)
 

@@ -5,7 +5,8 @@ the input of HF's perplexity guide). It is tokenized once (no BOS), cut into con
 non-overlapping windows of `window` tokens (the last one shorter), and each window is scored
 on its own: every token but the window's first, given the tokens before it in that window.
 Perplexity = exp(total NLL / total scored tokens), the token-weighted mean over windows
-(what HF's guide computes with stride == max_length).
+(what HF's guide computes with stride == max_length; the guide's tokenizer(text) puts a BOS before the
+first window where the tokenizer adds one, as Llama 3's does; SmolLM2's adds none).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 
-from eightbit.eval.configs import data_file
+from eightbit.eval.configs import check_finite, data_file
 
 WIKITEXT_TEST = "wikitext-2/wiki.test.raw"
 DEFAULT_WINDOW = 2048
@@ -22,7 +23,7 @@ DEFAULT_WINDOW = 2048
 def wikitext_rows(path) -> list[str]:
     """The rows of HF `datasets` wikitext-2-raw-v1: one per line, "line\\n" or "" for a blank line."""
     with open(path, encoding="utf-8", newline="") as f:
-        lines = f.read().split("\n")
+        lines = f.read().replace("\r\n", "\n").split("\n")  # a copy with Windows line ends: the same rows
     if lines and lines[-1] == "":
         lines = lines[:-1]  # the file ends with a newline: no row after it
     return [line + "\n" if line.strip() else "" for line in lines]
@@ -61,6 +62,7 @@ def evaluate_perplexity(scorer, windows, progress=True) -> dict:
     requests = [(w, 1) for w in windows]
     with tqdm(total=len(requests), desc=f"ppl {scorer.config.name}", unit="win", disable=not progress) as bar:
         scores = scorer.loglikelihood(requests, progress=bar)
+    check_finite(scores, scorer.config.name)
     nlls = [-s.logprob for s in scores]
     counts = [s.num_tokens for s in scores]
     return {

@@ -20,7 +20,7 @@ import math
 import re
 import time
 
-from eightbit.eval.configs import data_file
+from eightbit.eval.configs import check_finite, data_file
 
 TASK_FILES = {
     "arc_easy": "arc-easy/ARC-Easy-Test.jsonl",
@@ -128,7 +128,19 @@ def load_task(task, data_dir, limit=None) -> list[Item]:
         raise ValueError(f"{path} is not {task} data as eightbit reads it: {type(e).__name__}: {e}") from None
     if not items:
         raise ValueError(f"{path} holds no {task} items")
+    for item in items:
+        _check_item(item, path)
     return items
+
+
+def _check_item(item, path):
+    """Before any model runs: an empty choice would divide acc_norm by 0 after every configuration had scored it,
+    and a gold index out of range would silently count every answer wrong."""
+    if not 0 <= item.gold < len(item.continuations):
+        raise ValueError(f"{path}: item {item.id} has gold index {item.gold} for {len(item.continuations)} choices")
+    empty = [k for k, n in enumerate(item.lengths) if n == 0]
+    if empty:
+        raise ValueError(f"{path}: item {item.id} has an empty choice (index {empty[0]})")
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -217,6 +229,7 @@ def evaluate_task(scorer, task, items, requests, progress=True) -> dict:
     greedy = task == "lambada"
     with tqdm(total=len(requests), desc=f"{task} {scorer.config.name}", unit="req", disable=not progress) as bar:
         scores = scorer.loglikelihood(requests, need_greedy=greedy, progress=bar)
+    check_finite(scores, f"{scorer.config.name} {task}")
     result = {"task": task, "items": len(items), "requests": len(requests),
               "tokens": sum(len(t) for t, _ in requests)}
     if task == "lambada":

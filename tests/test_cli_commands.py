@@ -95,6 +95,8 @@ def test_eval_cli_tasks_end_to_end(tmp_path, capsys, hf_model, tokenizer):
     assert rc == 0
     payload = json.loads((tmp_path / "tasks.json").read_text())
     assert payload["meta"]["items"] == {"arc_easy": 2, "hellaswag": 2, "lambada": 2}
+    data = payload["meta"]["data"]
+    assert list(data) == ["arc_easy", "hellaswag", "lambada"] and all(r["published"] for r in data.values())
     # the command that reproduces the run, whatever the entry point (here a call, where sys.argv is pytest's)
     assert payload["meta"]["command"] == ("eightbit eval tasks --configs fp32 --limit 2 --device cpu "
                                           f"--max-model-len 512 --kv-cache-memory-gb 0.25 --out {tmp_path} --no-progress")

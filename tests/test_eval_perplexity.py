@@ -1,14 +1,18 @@
 """Perplexity: the window/row logic by hand, and the engine's ppl vs HF transformers' own loss (float32)."""
 
+import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from eightbit.eval.configs import CONFIGS, EngineScorer, Score, Scorer, resolve_data_dir
-from eightbit.eval.peers import HFScorer
-from eightbit.eval.perplexity import (evaluate_perplexity, make_windows, perplexity_from_nlls, wikitext_rows,
-                                      wikitext_text)
+from eightbit.eval.configs import (CONFIGS, EngineScorer, Score, Scorer, data_record, resolve_data_dir,
+                                   unpublished_note)
+from eightbit.eval.peers import HFScorer, score_logits
+from eightbit.eval.perplexity import (WIKITEXT_TEST, evaluate_perplexity, make_windows, perplexity_from_nlls,
+                                      wikitext_rows, wikitext_text)
+from eightbit.eval.tasks import TASK_FILES
 
 
 def test_perplexity_from_known_logprobs():
@@ -44,6 +48,25 @@ def test_wikitext_rows_match_the_datasets_view(tmp_path):
     text = wikitext_text(data)  # the README's numbers for HF's "\n\n".join of the 4,358 rows
     assert len(text) == 1_294_336
     assert len(wikitext_rows(data / "wikitext-2" / "wiki.test.raw")) == 4358
+    crlf = tmp_path / "crlf" / "wikitext-2" / "wiki.test.raw"  # public copies with Windows line ends exist
+    crlf.parent.mkdir(parents=True)
+    crlf.write_bytes((data / "wikitext-2" / "wiki.test.raw").read_bytes().replace(b"\n", b"\r\n"))
+    assert wikitext_text(tmp_path / "crlf") == text  # 2,891 stray "\r" were scored before
+
+
+def test_results_name_the_data_and_flag_a_copy_that_is_not_the_published_one(tmp_path):
+    data = resolve_data_dir()
+    records = {t: data_record(data, f) for t, f in [("wikitext", WIKITEXT_TEST), *TASK_FILES.items()]}
+    for name, r in records.items():  # the shared files are the published ones (their READMEs give these sums)
+        assert r["published"] and Path(r["file"]).is_file() and r["bytes"] == Path(r["file"]).stat().st_size
+        assert r["sha256"] == hashlib.sha256(Path(r["file"]).read_bytes()).hexdigest()
+    assert unpublished_note(records) == ""
+    copy = tmp_path / WIKITEXT_TEST
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes((data / WIKITEXT_TEST).read_bytes().replace(b"\n", b"\r\n"))
+    other = {"wikitext": data_record(tmp_path, WIKITEXT_TEST)}
+    assert not other["wikitext"]["published"]
+    assert unpublished_note(other).startswith("not the published data: wikitext (wiki.test.raw, sha256 ")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +108,20 @@ def test_on_a_cpu_the_progress_moves_every_context_of_tokens(llm, tokenizer):
     assert llm.engine.max_model_len == 2048 and len(windows) == 4
     engine.loglikelihood([(w, 1) for w in windows], progress=Bar())
     assert updates == [2, 2]  # as many 700-token windows as one 2048-token context holds
+
+
+def test_hf_peer_scores_come_back_in_request_order(hf_model, tokenizer):
+    """The peer scores length-sorted, padded batches: each score must go back to its own request."""
+    texts = ["The cat sat on the mat.", "One two", "A much longer sentence about the weather in the mountains today.",
+             "Hello there, friend."]
+    requests = [(tokenizer(t).input_ids, 1) for t in texts]
+    assert len({len(ids) for ids, _ in requests}) == 4
+    peer = HFScorer(CONFIGS["hf-fp32"], device="cpu", hf_model=hf_model)
+    batched = peer.loglikelihood(requests)
+    with torch.no_grad():
+        alone = [score_logits(hf_model(torch.tensor([ids])).logits[0], ids, start).logprob for ids, start in requests]
+    assert [s.logprob for s in batched] == pytest.approx(alone, abs=1e-3)
+    assert [s.num_tokens for s in batched] == [len(ids) - 1 for ids, _ in requests]
 
 
 def test_hf_peer_scorer_equals_hf_loss_ppl(hf_model, two_windows):

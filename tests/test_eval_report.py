@@ -20,12 +20,18 @@ PPL_ROWS = [
      "kv_bytes_per_token": 17280, "windows": 2, "scored_tokens": 100, "seconds": 3.0},
     {"config": "bnb-int8", "backend": "hf", "baseline": "hf-bf16", "error": "not runnable here: no CUDA"},
 ]
+PEER_ROWS = [  # a peer's Δ is against its own HF baseline, not eightbit's bf16
+    {"config": "hf-bf16", "backend": "hf", "baseline": "hf-bf16", "ppl": 10.5},
+    {"config": "torchao-int8", "backend": "hf", "baseline": "hf-bf16", "ppl": 10.71},
+]
 
 
 def test_ppl_table_deltas_and_errors():
     deltas = report.ppl_deltas(PPL_ROWS)
     assert deltas["bf16"] == 0.0 and deltas["kv8-g32"] == pytest.approx(0.2)
     assert deltas["bnb-int8"] is None
+    deltas = report.ppl_deltas(PPL_ROWS + PEER_ROWS)
+    assert deltas["torchao-int8"] == pytest.approx(2.0) and deltas["kv8-g32"] == pytest.approx(0.2)
     table = report.ppl_table(PPL_ROWS)
     assert "| kv8-g32 | engine | 10.0200 | +0.20% | bf16 |" in table
     assert "| bf16 | engine | 10.0000 | — | bf16 |" in table  # the baseline itself: no Δ, as docs/evals.md shows
@@ -51,6 +57,10 @@ def test_tasks_table_paired_deltas(tmp_path):
     ]
     d = report.task_deltas(rows, "arc_easy", "acc")
     assert d["kv8"]["diff"] == pytest.approx(-50.0)
+    peers = [{"config": "hf-bf16", "backend": "hf", "baseline": "hf-bf16", "tasks": {"arc_easy": task([0, 0, 0, 1])}},
+             {"config": "bnb-int8", "backend": "hf", "baseline": "hf-bf16", "tasks": {"arc_easy": task([1, 0, 0, 1])}}]
+    d = report.task_deltas(rows + peers, "arc_easy", "acc")  # paired with hf-bf16 (+25), not with bf16 (-25)
+    assert d["bnb-int8"]["diff"] == pytest.approx(25.0) and d["kv8"]["diff"] == pytest.approx(-50.0)
     assert d["kv8"]["stderr"] == pytest.approx(100 * math.sqrt(1 / 3 / 4))
     table = report.tasks_table(rows, ["arc_easy"])
     assert "| kv8 | engine | 25.00 (-50.00 ± 28.87) | 50.00 (+0.00 ± 0.00) |" in table
@@ -94,6 +104,7 @@ def test_eval_cli_ppl_end_to_end(tmp_path, capsys, hf_model, tokenizer):
         loss = hf_model(torch.tensor([window]), labels=torch.tensor([window])).loss.item()
     assert rows["fp32"]["ppl"] == pytest.approx(math.exp(loss), rel=1e-4) and rows["fp32"]["scored_tokens"] == 47
     assert payload["meta"]["windows"] == 1 and payload["meta"]["window"] == 48
+    assert payload["meta"]["data"]["wikitext"]["published"] and payload["meta"]["data_note"] == ""
     assert (tmp_path / "ppl.png").is_file() and "| fp32 | engine |" in (tmp_path / "ppl.md").read_text()
     assert "WikiText-2 raw test, 1/" in capsys.readouterr().out
 
@@ -133,6 +144,15 @@ def test_eval_cli_keeps_an_earlier_runs_results_unless_told(tmp_path, capsys, mo
     assert "--device tpu: device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'" in capsys.readouterr().err
     assert main(["ppl", "--configs", "fp32", "--window-size", "1", "--out", str(tmp_path / "new")]) == 2
     assert "--window-size must be >= 2" in capsys.readouterr().err
+    assert main(["ppl", "--configs", "fp32", "--window-size", "0", "--out", str(tmp_path / "new")]) == 2
+    assert "--window-size must be >= 2" in capsys.readouterr().err  # said ">= 1", which 1 does not meet
+    # passed eval's check, then failed every engine configuration after loading it
+    assert main(["ppl", "--configs", "fp32", "--kv-cache-memory-gb", "inf", "--out", str(tmp_path / "new")]) == 2
+    assert "--kv-cache-memory-gb must be > 0" in capsys.readouterr().err
+    assert main(["tasks", "--configs", "fp32", "--tasks", ",", "--out", str(tmp_path / "new")]) == 2
+    assert "--tasks names no task" in capsys.readouterr().err  # said "unknown tasks []"
+    assert main(["ppl", "--configs", "fp32", "--data-dir", "", "--out", str(tmp_path / "new")]) == 2
+    assert "--data-dir is empty" in capsys.readouterr().err  # fell through to $EIGHTBIT_DATA or the default
     assert not (tmp_path / "new").exists()  # a refused run makes no folder
 
 

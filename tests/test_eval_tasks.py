@@ -1,12 +1,14 @@
 """Task scoring: loaders on the real files, lm-eval's pair encoding, acc/acc_norm vs a direct HF computation
 on hand-made items, the LAMBADA greedy-match logic, and the paired standard error."""
 
+import json
 import math
 
 import pytest
 import torch
 
-from eightbit.eval.configs import CONFIGS, EngineScorer, resolve_data_dir, score_from_prompt_logprobs
+from eightbit.eval.configs import CONFIGS, EngineScorer, Score, resolve_data_dir, score_from_prompt_logprobs
+from eightbit.eval.perplexity import evaluate_perplexity
 from eightbit.eval.peers import score_logits
 from eightbit.eval.tasks import (TASK_FILES, Item, build_requests, encode_pair, evaluate_task, hellaswag_preprocess,
                                  load_task, mean_stderr, multiple_choice_outcomes, paired_difference)
@@ -16,6 +18,9 @@ def test_loaders_read_the_shared_files():
     data = resolve_data_dir()
     arc = load_task("arc_easy", data, limit=3)
     assert arc[0].id == "Mercury_417466" and arc[0].context.startswith("Question: ")
+    with open(data / TASK_FILES["arc_easy"]) as f:  # acc_norm divides by lm-eval's len(choice): the raw text's
+        raw = [c["text"] for c in json.loads(f.readline())["question"]["choices"]]
+    assert arc[0].lengths == [len(t) for t in raw] and arc[0].continuations == [" " + t for t in raw]
     assert arc[0].context.endswith("\nAnswer:") and all(c.startswith(" ") for c in arc[0].continuations)
     full = load_task("arc_easy", data)
     assert len(full) == 2376
@@ -53,6 +58,20 @@ def test_a_malformed_data_file_is_named_in_the_error(tmp_path, task, path, text)
 def test_a_task_file_without_items_is_an_error(tmp_path, task):
     """Every configuration loaded its model, then stopped with a ZeroDivisionError."""
     with pytest.raises(ValueError, match=f"{write_task_file(tmp_path, TASK_FILES[task], '')} holds no {task} items"):
+        load_task(task, tmp_path)
+
+
+@pytest.mark.parametrize("task,path,text,error", [
+    ("arc_easy", "arc-easy/ARC-Easy-Test.jsonl", '{"id": "q7", "question": {"stem": "q", "choices": '
+     '[{"label": "A", "text": ""}, {"label": "B", "text": "b"}]}, "answerKey": "B"}\n',
+     "item q7 has an empty choice"),  # a ZeroDivisionError in acc_norm after every configuration had scored it
+    ("hellaswag", "hellaswag/hellaswag_val_full.txt", "ctx. a\n1\na\n[title]\nc\nd\n", "item 0 has an empty choice"),
+    ("hellaswag", "hellaswag/hellaswag_val_full.txt", "ctx. a\n4\na\nb\nc\nd\n",
+     "item 0 has gold index 4 for 4 choices"),  # counted wrong for every configuration, without a word
+    ("hellaswag", "hellaswag/hellaswag_val_full.txt", "ctx. a\n-1\na\nb\nc\nd\n", "item 0 has gold index -1"),
+])
+def test_an_empty_choice_or_a_gold_index_out_of_range_is_refused_before_any_scoring(tmp_path, task, path, text, error):
+    with pytest.raises(ValueError, match=f"{write_task_file(tmp_path, path, text)}: {error}"):
         load_task(task, tmp_path)
 
 
@@ -114,6 +133,27 @@ def test_greedy_match_from_prompt_logprobs():
     logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 4.0], [1.0, 1.0, 1.0]])
     assert score_logits(logits, [0, 1, 2], 1, True).greedy
     assert not score_logits(logits, [0, 1, 0], 1, True).greedy
+
+
+def test_nan_log_likelihoods_are_an_error_not_a_score():
+    """NaN compares false: LAMBADA counted every token of a NaN model as greedy (acc 100 %), and the argmax of
+    NaN choices was always choice 0, with exit status 0."""
+    nan = float("nan")
+    assert not score_from_prompt_logprobs([5, 7], 1, [None, {7: nan, 3: -1.0}], True).greedy
+    assert not score_from_prompt_logprobs([5, 7], 1, [None, {7: -1.0, 3: nan}], True).greedy
+
+    class NaNScorer:
+        config = CONFIGS["bf16"]
+
+        def loglikelihood(self, requests, need_greedy=False, progress=None):
+            return [Score(nan if i == 1 else -1.0, need_greedy, 1) for i in range(len(requests))]
+
+    items = [Item("lambada", str(i), "the cat sat on the", [" mat"], 0) for i in range(3)]
+    requests = [([1, 2, 3], 2)] * 3
+    with pytest.raises(ValueError, match="bf16 lambada: 1 of 3 requests scored a log-likelihood that is NaN"):
+        evaluate_task(NaNScorer(), "lambada", items, requests, progress=False)
+    with pytest.raises(ValueError, match="bf16: 1 of 2 requests scored a log-likelihood that is NaN"):
+        evaluate_perplexity(NaNScorer(), [[1, 2, 3], [4, 5, 6]], progress=False)
 
 
 HAND_MADE = [  # (context, choices, gold): the model should clearly prefer the gold one
