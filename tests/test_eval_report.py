@@ -256,6 +256,21 @@ def test_eval_tasks_caps_its_context_at_the_models(tmp_path, capsys):
     assert [r["config"] for r in rows] == ["fp32"] and rows[0]["tasks"]["arc_easy"]["items"] == 2
 
 
+def test_eval_ppl_caps_its_window_at_the_models_context(tmp_path, capsys):
+    """--window-size (default 2048) above the model's context: windows of context - 1 tokens (room for the token
+    the engine samples), not windows every configuration refuses."""
+    from eightbit.eval.cli import main
+    from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    src = make_tiny_checkpoint(tmp_path / "tiny", tokenizer=make_tiny_tokenizer())  # a context of 256
+    rc = main(["ppl", "--model", str(src), "--configs", "fp32", "--windows", "1", "--device", "cpu",
+               "--kv-cache-memory-gb", "0.05", "--out", str(tmp_path / "out"), "--no-progress"])
+    assert rc == 0
+    payload = json.loads((tmp_path / "out" / "ppl.json").read_text())
+    assert payload["meta"]["window"] == 255 and payload["rows"][0]["scored_tokens"] == 254
+    assert "windows of 255" in capsys.readouterr().out
+
+
 def test_eval_tasks_refuses_requests_longer_than_the_context_before_any_model_loads(tmp_path, capsys, monkeypatch):
     """A task item longer than --max-model-len failed each configuration only after its model had loaded."""
     import eightbit.eval.configs as configs
