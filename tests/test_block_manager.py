@@ -170,6 +170,21 @@ def test_free_releases_tail_before_head():
     assert list(bm._free)[-3:] == [table[2], table[1], table[0]]
 
 
+def test_a_prefix_hit_shares_the_copy_in_use_rather_than_reviving_a_free_one():
+    """Two registered copies of a block, one in use and one freed (still cached): a hit shares the one in use,
+    which costs no free block and keeps the other one's cache entry."""
+    bm = BlockManager(5, block_size=4)
+    prompt = tokens(5)
+    for s in ("a", "b"):
+        bm.allocate(s, prompt)
+    for s in ("a", "b"):
+        bm.mark_computed(s, prompt, 5)
+    bm.free("b")
+    assert bm.num_free_blocks == 3
+    assert bm.allocate("c", prompt) == 4
+    assert bm.block_table("c")[0] == bm.block_table("a")[0] and bm.num_free_blocks == 2
+
+
 def test_prefix_caching_disabled():
     bm = BlockManager(8, block_size=4, enable_prefix_caching=False)
     prompt = tokens(9)

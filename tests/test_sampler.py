@@ -72,6 +72,12 @@ def test_filter_masks_hand_computed(kw, expected):
     assert [i for i, p in enumerate(ref) if p > 0] == expected
 
 
+def test_top_p_keeps_no_token_past_a_mass_exactly_equal_to_it():
+    """Four equal tokens (0.25 each, exact in binary): top_p = 0.5 is reached by two of them."""
+    assert kept([0.0, 0.0, 0.0, 0.0], top_p=0.5) == [0, 1]
+    assert kept([0.0, 0.0, 0.0, 0.0], top_p=0.75) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("k, expected", [(1, [0]), (2, [0, 1, 2, 3]), (4, [0, 1, 2, 3]), (5, [0, 1, 2, 3, 4])])
 def test_top_k_keeps_every_token_tied_with_the_kth(k, expected):
     assert kept([2.0, 1.0, 1.0, 1.0, 0.0], top_k=k) == expected

@@ -112,6 +112,18 @@ def test_forked_samples_keep_their_requests_place_in_line():
     assert sched.running == [first, child]
 
 
+def test_a_step_that_preempts_admits_no_waiting_request():
+    """Memory is short: the running sequences finish before anyone new is admitted (the scheduler's rule)."""
+    sched, bm = make(num_blocks=5, budget=100)
+    a, b = add(sched, 8), add(sched, 8, start=50)
+    finish_step(sched.schedule())
+    bm.allocate("hog", list(range(900, 904)))  # the last free block
+    late = add(sched, 3, priority=-1, start=500)  # would go first if anyone were admitted
+    out = sched.schedule()
+    assert out.preempted == [b] and [s for s, _ in out.scheduled] == [a]
+    assert late.status is SequenceStatus.WAITING
+
+
 def test_priority_orders_admission_and_preemption():
     sched, _ = make(max_seqs=1, budget=100)
     low = add(sched, 4, priority=3)
