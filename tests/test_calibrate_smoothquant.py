@@ -77,6 +77,41 @@ def test_smoothing_factors_formula_and_dead_channels():
     w = torch.tensor([1.0, 2.0, 0.25])
     s = smoothing_factors(a, w, 0.5)
     assert s[0] == pytest.approx(2.0) and s[1] == 1.0 and s[2] == pytest.approx(20.0)
+    # s = a^alpha / w^(1 - alpha); at alpha 0.5 a swap of alpha and 1 - alpha would not show
+    s = smoothing_factors(torch.tensor([16.0, 1.0]), torch.tensor([1.0, 16.0]), 0.75)
+    torch.testing.assert_close(s, torch.tensor([8.0, 0.5]), rtol=1e-6, atol=0)
+
+
+def test_layer_stats_span_every_batch():
+    """absmax is the max over every calibration token, not the last batch's; the samples are the chosen tokens."""
+    from eightbit.calibrate.stats import sample_token_index
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    hidden = torch.randn(5, 4, 6)
+    hidden[0, 1, 2] = 50.0  # the outlier is in the first of three batches
+    stats, out = collect_layer_stats(layer, lambda m, x: m(x), hidden, sample_tokens=7, batch_size=2)
+    torch.testing.assert_close(stats.absmax["0"], hidden.abs().amax(dim=(0, 1)), rtol=0, atol=0)
+    torch.testing.assert_close(stats.samples["0"], hidden.reshape(-1, 6)[sample_token_index(20, 7)], rtol=0, atol=0)
+    torch.testing.assert_close(out, layer(hidden).detach())
+
+
+def test_decoder_layers_run_matches_the_hf_model(tmp_path):
+    """The calibration runs each layer with its own RoPE and causal mask: layer 0's output must be what the HF model
+    computes (a mask shifted by one went unnoticed: smoothing is exact whatever the inputs)."""
+    from transformers import AutoModelForCausalLM
+
+    from eightbit.engine.weights import open_checkpoint
+    from eightbit.quant.testing import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    layers = DecoderLayers(open_checkpoint(folder))
+    out = layers.run(layers.load(0), hidden[0].float())
+    torch.testing.assert_close(out.double(), hidden[1], rtol=1e-4, atol=1e-4)
 
 
 def test_smoothing_lowers_the_w8a8_error_of_an_outlier_input():

@@ -90,6 +90,10 @@ def _mutated(path, value):
         (["eightbit", "kv_cache", "group_size"], 0, "group size"),
         (["eightbit", "kv_cache", "bogus"], 1, "malformed"),
         (["eightbit", "version"], 99, "newer"),
+        (["eightbit", "version"], 2, "newer"),  # the first version after ours
+        # grouped weights or activations are not per channel / per token: read as ours they would be mis-scaled
+        (["config_groups", "group_0", "weights", "group_size"], 128, "weights"),
+        (["config_groups", "group_0", "input_activations", "group_size"], 128, "input_activations"),
         (["eightbit", "version"], "1", "must be an integer"),  # a string was a TypeError
         (["eightbit"], [1], "must be an object"),  # a list was an AttributeError
     ],

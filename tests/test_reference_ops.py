@@ -73,6 +73,17 @@ def test_kv_groups_by_hand():
                                                                    16 * s]]))
 
 
+def test_kv_groups_saturate_at_65024_by_hand():
+    """|x| above 127 * 512 = 65024 saturates: the scale stops at 512 (q * scale stays a finite float16), and q stays
+    within +-127, never -128."""
+    x = torch.tensor([[1e5, -1e5, 100.0, 0.0], [-7e4, 2048.0, -1024.0, 512.0]])
+    q, scale = quantize_groups(x, 4, torch.float16)
+    assert scale.tolist() == [[512.0], [512.0]]
+    assert q.tolist() == [[127, -127, 0, 0], [-127, 4, -2, 1]]
+    back = dequantize_groups(q, scale, torch.float16)
+    assert torch.isfinite(back).all() and back.abs().max().item() == 65024.0
+
+
 def test_int8_kv_write_round_trip_error_is_within_half_a_step():
     """Also for groups far below float16's normal range: their scale rounded to nearest could round down (the
     largest values then clamped: 24 % off at absmax 1e-5) or to 0 (every value stored as 0 below ~4e-6)."""
