@@ -1263,3 +1263,53 @@ def test_a_stream_event_is_one_line_for_readers_that_split_on_unicode_line_break
     assert len(lines) == 1 and lines[0].startswith("data: ")
     event = json.loads(lines[0][6:])
     assert event["choices"][0]["delta"] == {"content": text}  # the same text; no role: null
+
+
+# --- limits and fields a mutation run found untested (review_s60_server_mutations) ---------------
+
+
+def test_logprobs_of_20_are_the_inclusive_limit(server):
+    """OpenAI's reference: top_logprobs is an integer between 0 and 20 (and vLLM's default max_logprobs is 20)."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    resp = post(server, "/v1/completions", {**body, "logprobs": 20})
+    assert resp.status_code == 200, resp.text
+    tops = resp.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(tops) == 2 and all(len(t) >= 20 for t in tops)  # the sampled token may be a 21st
+    resp = post(server, "/v1/completions", {**body, "logprobs": 21})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "logprobs"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2, "temperature": 0,
+            "logprobs": True}
+    resp = post(server, "/v1/chat/completions", {**chat, "top_logprobs": 20})
+    assert resp.status_code == 200, resp.text
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(len(t["top_logprobs"]) == 20 for t in content)
+    resp = post(server, "/v1/chat/completions", {**chat, "top_logprobs": 21})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "top_logprobs"
+    # top_logprobs defaults to 0: each token's list is empty (OpenAI, vLLM)
+    content = post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    assert content and all(t["top_logprobs"] == [] for t in content)
+
+
+def test_suffix_is_refused_not_ignored(server):
+    """A field that would change the output but is not implemented is a 400, so a client relying on it learns so."""
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "def f(", "max_tokens": 2, "suffix": "):"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix", resp.text
+
+
+def test_prompts_that_fill_the_context_exactly(server):
+    """As vLLM: a prompt of max_model_len tokens leaves no position to generate into (400,
+    context_length_exceeded); prompt + max_tokens equal to max_model_len fits."""
+    n = ENGINE_OPTIONS["max_model_len"]
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [28] * n, "max_tokens": None})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [28] * (n - 2), "max_tokens": 2,
+                                            "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2, resp.text
+
+
+def test_choice_indices_of_a_prompt_list_with_n(server):
+    """OpenAI and vLLM: choice index = prompt index * n + sample index."""
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": ["Hello", "The sky is"], "n": 2,
+                                            "max_tokens": 1, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert sorted(c["index"] for c in resp.json()["choices"]) == [0, 1, 2, 3]
