@@ -54,7 +54,9 @@ def add_eval_parser(subparsers):
     common(q)
     q.add_argument("--tasks", default="arc_easy,hellaswag,lambada",
                    help="comma list of arc_easy, hellaswag, lambada (default: all three)")
-    q.add_argument("--limit", type=int, default=None, help="first N items of each task, in the file's order (HellaSwag's 3,243 ActivityNet items come before its WikiHow ones; default: all)")
+    q.add_argument("--limit", type=int, default=None,
+                   help="first N items of each task, in the file's order (HellaSwag's 3,243 ActivityNet items come "
+                        "before its WikiHow ones; default: all)")
     q.add_argument("--max-model-len", type=int, default=2048, help="engine context (the longest item must fit)")
     q.set_defaults(func=run_tasks)
     return p
@@ -184,7 +186,7 @@ def run_ppl(args) -> int:
     check_float_model(args.model)
     data_dir = resolve_data_dir(args.data_dir)
     data = {"wikitext": data_record(data_dir, WIKITEXT_TEST)}
-    _print_unpublished(unpublished_note(data))
+    data_note = _print_note(unpublished_note(data))
     text = wikitext_text(data_dir)
     tokenizer = load_tokenizer(args.model)
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -197,7 +199,7 @@ def run_ppl(args) -> int:
     print(f"[eval] WikiText-2 test: {len(ids):,} tokens, {len(windows)} of {total_windows} windows of {window}",
           flush=True)
     out = Path(args.out)
-    meta = _meta(args, {"dataset": "wikitext-2-raw-v1 test", "data": data, "data_note": unpublished_note(data),
+    meta = _meta(args, {"dataset": "wikitext-2-raw-v1 test", "data": data, "data_note": data_note,
                         "tokens": len(ids), "window": window, "windows": len(windows),
                         "total_windows": total_windows})
     rows = []
@@ -247,9 +249,11 @@ def _note(meta) -> str:
     return f" ({meta['data_note']})" if meta.get("data_note") else ""
 
 
-def _print_unpublished(note):
+def _print_note(note) -> str:
+    """Say, before any scoring, when the data is not the published copy; returns the note for the results."""
     if note:
         print(f"[eval] note: {note}; its numbers are not comparable with results on the published files", flush=True)
+    return note
 
 
 def _check_requests_fit(requests, max_model_len, max_pos, configs):
@@ -287,7 +291,7 @@ def run_tasks(args) -> int:
         raise ValueError(f"unknown tasks {bad}; known: {', '.join(TASKS)}")
     data_dir = resolve_data_dir(args.data_dir)
     data = {t: data_record(data_dir, TASK_FILES[t]) for t in tasks}
-    _print_unpublished(unpublished_note(data))
+    data_note = _print_note(unpublished_note(data))
     items = {t: load_task(t, data_dir, args.limit) for t in tasks}
     tokenizer = load_tokenizer(args.model)
     print("[eval] " + ", ".join(f"{t}: {len(v)} items" for t, v in items.items()), flush=True)
@@ -301,7 +305,7 @@ def run_tasks(args) -> int:
     _check_requests_fit(requests, max_model_len, max_pos, configs)
     out = Path(args.out)
     meta = _meta(args, {"items": {t: len(v) for t, v in items.items()}, "data": data,
-                        "data_note": unpublished_note(data)})
+                        "data_note": data_note})
     rows = []
 
     def write():
