@@ -422,6 +422,25 @@ def test_an_unhandled_error_is_a_counted_500(server, monkeypatch):
     assert metrics(server)[key] == before + 1
 
 
+def test_an_engine_refusal_the_server_did_not_foresee_is_a_400(server, monkeypatch):
+    # The server checks lengths before the engine sees a request; with that check gone, the engine's own ValueError
+    # must still reach the client as the client's error (400, its message), not as a server failure, in both the
+    # thread and the process engine, and the server must go on serving.
+    from eightbit.engine.server import api
+
+    monkeypatch.setattr(api, "_check_length", lambda *args, **kwargs: None)
+    key = 'eightbit_http_responses_total{endpoint="/v1/completions",status="400"}'
+    before = metrics(server).get(key, 0)
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [1] * ENGINE_OPTIONS["max_model_len"],
+                                            "max_tokens": 1})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and "leaves no room to generate" in error["message"], error
+    assert metrics(server)[key] == before + 1
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2, resp.text
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 
