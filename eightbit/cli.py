@@ -8,11 +8,15 @@ def add_engine_args(parser):
     """Engine options shared by every subcommand that loads a model."""
     parser.add_argument("--model", default=None, help="HF checkpoint dir, GGUF file or int8 checkpoint "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="activations and the weights kept in float (default: bfloat16)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
-    parser.add_argument("--kv-group-size", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="most tokens of a prompt and its output together (default: the model's context)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="auto: the KV cache in --dtype; int8: group-quantized int8 (default: auto)")
+    parser.add_argument("--kv-group-size", type=int, default=None,
+                        help="int8 KV cache: values per scale (default: the int8 checkpoint's, else 32)")
     parser.add_argument("--quantization", default=None, choices=["w8a8"],
                         help="quantize a float checkpoint's linears on load (round-to-nearest, no smoothing)")
 
@@ -26,9 +30,10 @@ def engine_options(args) -> dict:
 def add_generate_parser(subparsers):
     p = subparsers.add_parser("generate", help="generate text from prompts, streaming it")
     add_engine_args(p)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 picks the likeliest token (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens that hold this much probability (default: 1, all)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed (default: the engine's seed, 0, so a sampled run repeats itself)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")

@@ -78,24 +78,38 @@ def _arg_type(annotation):
     return annotation, annotation is bool
 
 
+# What each engine option not in eightbit.cli.add_engine_args does (a new EngineConfig field needs a line here).
+_ENGINE_HELP = {
+    "block_size": "tokens per KV-cache block, a power of two (default: 16)",
+    "max_num_seqs": "most sequences in one step (default: 256)",
+    "max_num_batched_tokens": "most new tokens in one step; longer prompts are prefilled in chunks (default: 8192)",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before (default: on)",
+    "load_format": "dummy: random weights of the model's shapes, for benchmarks (default: auto)",
+    "gpu_memory_utilization": "share of the GPU's memory the engine may take; the KV cache gets what the weights "
+                              "and activations leave (default: 0.9)",
+    "kv_cache_memory_gb": "a fixed KV-cache size in GiB (default: from --gpu-memory-utilization; 1 GiB on the CPU)",
+    "num_kv_blocks": "a fixed number of KV-cache blocks, over the memory-based sizing (default: none)",
+    "enforce_eager": "run every step eagerly, without CUDA graphs (default: off)",
+    "async_scheduling": "launch the next decode step before this one's tokens reach the host (default: on CUDA only)",
+    "seed": "seeds the sampling of requests that carry no seed, and dummy weights (default: 0)",
+}
+
+
 def _add_missing_engine_args(parser):
     """Every EngineConfig field as a flag, unless eightbit.cli.add_engine_args already has it."""
     for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        typ, is_bool = _arg_type(f.type)
         flag = "--" + f.name.replace("_", "-")
-        kwargs = dict(default=f.default, help=f"engine option {f.name} (default: {f.default})")
+        if f.name == "model" or flag in parser._option_string_actions:
+            continue  # add_engine_args defines it
+        typ, is_bool = _arg_type(f.type)
+        kwargs = dict(default=f.default, help=_ENGINE_HELP[f.name])
         if is_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = typ
         if f.name == "load_format":
             kwargs["choices"] = list(LOAD_FORMATS)
-        try:
-            parser.add_argument(flag, **kwargs)
-        except argparse.ArgumentError:
-            pass  # add_engine_args defines it
+        parser.add_argument(flag, **kwargs)
 
 
 def serve_engine_options(args) -> dict:
