@@ -93,3 +93,10 @@ def test_kernel_times_counts_device_events_once():
     events = [ev("aten::mm", DeviceType.CPU, 30.0), ev("gemm", DeviceType.CUDA, 20.0),
               ev("gemm", DeviceType.CUDA, 22.0), ev("norm", DeviceType.CUDA, 3.0)]
     assert kernel_times(events) == {"gemm": [42.0, 2], "norm": [3.0, 1]}
+
+
+def test_parse_range_refuses_a_zero_length():
+    assert parse_range("1:1") == (1, 1)
+    for text in ("0:5", "0", (0, 3)):  # a request of 0 prompt (or output) tokens is not a request
+        with pytest.raises(ValueError, match="need 1 <= lo <= hi"):
+            parse_range(text)

@@ -129,3 +129,29 @@ def test_hf_peer_scorer_equals_hf_loss_ppl(hf_model, two_windows):
     ours = evaluate_perplexity(peer, two_windows, progress=False)
     assert peer.weight_bytes > 0 and peer.kv_bytes_per_token > 0
     assert ours["ppl"] == pytest.approx(hf_loss_ppl(hf_model, two_windows), rel=1e-5)
+
+
+def test_make_windows_refuses_a_limit_of_zero():
+    with pytest.raises(ValueError, match="--windows must be >= 1, got 0"):
+        make_windows(list(range(10)), 4, limit=0)
+
+
+def test_nll_per_token_is_the_token_weighted_mean():
+    # windows of 2 and 1 scored tokens with probabilities (0.5, 0.25) and (0.125): NLL 6 ln 2 over 3 tokens
+    class Fixed(Scorer):
+        def loglikelihood(self, requests, need_greedy=False, progress=None):
+            return [Score(math.log(0.5) + math.log(0.25), False, 2), Score(math.log(0.125), False, 1)]
+
+    res = evaluate_perplexity(Fixed(CONFIGS["bf16"]), [[1, 2, 3], [4, 5]], progress=False)
+    assert res["nll_per_token"] == pytest.approx(2 * math.log(2))  # ln 4 = ln ppl, not 6 ln 2 over 2 windows
+    assert math.exp(res["nll_per_token"]) == pytest.approx(res["ppl"])
+
+
+@pytest.mark.parametrize("name,value_bytes", [("hf-fp32", 4), ("hf-bf16", 2)])
+def test_hf_peer_kv_bytes_per_token_follow_its_dtype(name, value_bytes):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    scorer = HFScorer(CONFIGS[name], device="cpu", hf_model=LlamaForCausalLM(cfg).eval())
+    assert scorer.kv_bytes_per_token == 2 * 3 * 2 * 8 * value_bytes  # K and V, 3 layers, 2 KV heads of 32 / 4 dims

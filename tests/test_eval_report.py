@@ -285,15 +285,20 @@ def test_eval_tasks_refuses_requests_longer_than_the_context_before_any_model_lo
     assert not (tmp_path / "out" / "tasks.json").exists()
 
 
-def fake_scorers(monkeypatch, interrupt_at=None):
-    """Stand-ins for the configurations' models: log-likelihood = -(tokens), all greedy; Ctrl-C at a task."""
+def fake_scorers(monkeypatch, interrupt_at=None, fail_at=None, calls=None):
+    """Stand-ins for the configurations' models: log-likelihood = -(tokens), all greedy; Ctrl-C or an error at
+    LAMBADA (the one task that asks for greedy); each call's request count appended to `calls`."""
     import eightbit.eval.configs as configs
     from eightbit.eval.configs import Score, Scorer
 
     class Fake(Scorer):
         def loglikelihood(self, requests, need_greedy=False, progress=None):
+            if calls is not None:
+                calls.append(len(requests))
             if need_greedy and interrupt_at == "lambada":
                 raise KeyboardInterrupt
+            if need_greedy and fail_at == "lambada":
+                raise ValueError("the lambada scorer broke")
             return [Score(-float(len(t)), True, len(t) - s) for t, s in requests]
 
     monkeypatch.setattr(configs, "build_scorer", lambda config, **kw: Fake(config))
@@ -327,3 +332,98 @@ def test_a_one_item_run_writes_strict_json(tmp_path, monkeypatch):
     (row,) = json.loads((tmp_path / "tasks.json").read_text(), parse_constant=refuse)["rows"]
     assert row["tasks"]["lambada"]["acc"] == 1.0 and row["tasks"]["lambada"]["acc_stderr"] is None
     assert "unfinished" not in row
+
+
+def test_a_task_that_fails_makes_the_run_fail(tmp_path, monkeypatch):
+    from eightbit.eval.cli import main
+
+    fake_scorers(monkeypatch, fail_at="lambada")
+    rc = main(["tasks", "--configs", "bf16", "--tasks", "arc_easy,lambada", "--limit", "2", "--out", str(tmp_path),
+               "--no-progress"])
+    (row,) = json.loads((tmp_path / "tasks.json").read_text())["rows"]
+    assert "lambada scorer broke" in row["task_errors"]["lambada"] and "arc_easy" in row["tasks"]
+    assert rc == 1  # a missing result is not a successful run
+
+
+def test_a_task_named_twice_is_scored_once(tmp_path, monkeypatch):
+    from eightbit.eval.cli import main
+
+    calls = []
+    fake_scorers(monkeypatch, calls=calls)
+    assert main(["tasks", "--configs", "bf16", "--tasks", "lambada,lambada", "--limit", "2", "--out", str(tmp_path),
+                 "--no-progress"]) == 0
+    assert calls == [2]
+    assert (tmp_path / "tasks.md").read_text().count("lambada acc") == 1
+    assert list(json.loads((tmp_path / "tasks.json").read_text())["meta"]["items"]) == ["lambada"]
+
+
+def test_ppl_meta_counts_every_window_of_the_text(tmp_path, monkeypatch):
+    """With --windows N the header must still say how many windows the whole text has (N of them were scored)."""
+    from eightbit.eval.cli import main
+    from eightbit.eval.configs import load_tokenizer
+    from eightbit.eval.perplexity import wikitext_text
+
+    data = tmp_path / "data"
+    (data / "wikitext-2").mkdir(parents=True)
+    (data / "wikitext-2" / "wiki.test.raw").write_text(" = Title = \n \n The cat sat on the mat , and then it left the "
+                                                       "room for the garden . \n")
+    ids = load_tokenizer()(wikitext_text(data), add_special_tokens=False).input_ids
+    expected = len(ids) // 8 + (len(ids) % 8 >= 2)  # windows of 8; a tail of one token scores nothing
+    assert expected >= 3
+    fake_scorers(monkeypatch)
+    assert main(["ppl", "--configs", "bf16", "--data-dir", str(data), "--windows", "1", "--window-size", "8",
+                 "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    meta = json.loads((tmp_path / "o" / "ppl.json").read_text())["meta"]
+    assert meta["windows"] == 1 and meta["total_windows"] == expected
+    assert f"1/{expected} windows of 8 tokens" in (tmp_path / "o" / "ppl.md").read_text()
+
+
+def test_a_request_as_long_as_max_model_len_is_refused_before_loading():
+    # the engine samples one token after the prompt and refuses a prompt of max_model_len tokens
+    # (LLMEngine.check_request): eval must refuse such a request before any model loads, and say what helps
+    from eightbit.eval.cli import _check_requests_fit
+
+    configs = [CONFIGS["bf16"]]
+    _check_requests_fit({"lambada": [([1] * 63, 62)]}, 64, 2048, configs)  # 63 + 1 sampled = 64: fits
+    with pytest.raises(ValueError, match=r"requests of up to 64 tokens \(lambada: 64\) do not fit --max-model-len 64"
+                                         r".*pass --max-model-len 65 or more"):
+        _check_requests_fit({"lambada": [([1] * 64, 63)]}, 64, 2048, configs)
+    with pytest.raises(ValueError, match="pass --max-model-len 65 or more"):  # 65 = the model's context: fits
+        _check_requests_fit({"lambada": [([1] * 64, 63)]}, 64, 65, configs)
+    with pytest.raises(ValueError, match="the model's context is 64 tokens"):  # 65 > the model's 64: no flag helps
+        _check_requests_fit({"lambada": [([1] * 64, 63)]}, 64, 64, configs)
+    _check_requests_fit({"lambada": [([1] * 64, 63)]}, 64, 2048, [CONFIGS["hf-bf16"]])  # the peers have no such limit
+
+
+def _task_result(outcomes):
+    return {"items": 4, "acc": sum(outcomes) / 4, "acc_norm": 0.5,
+            "outcomes": {"acc": outcomes, "acc_norm": [1, 0, 1, 0]}}
+
+
+def test_the_baseline_row_of_the_tasks_table_has_no_delta():
+    rows = [{"config": "bf16", "backend": "engine", "baseline": "bf16", "tasks": {"arc_easy": _task_result([1, 1, 0, 1])}},
+            {"config": "kv8", "backend": "engine", "baseline": "bf16", "tasks": {"arc_easy": _task_result([1, 0, 0, 0])}}]
+    table = report.tasks_table(rows, ["arc_easy"])
+    assert "| bf16 | engine | 75.00 | 50.00 |" in table  # as in the ppl table: a baseline is not compared with itself
+
+
+def test_the_tasks_table_has_no_acc_norm_column_for_lambada():
+    rows = [{"config": "bf16", "backend": "engine", "baseline": "bf16",
+             "tasks": {"lambada": {"items": 2, "acc": 0.5, "outcomes": {"acc": [1, 0]}}}}]
+    lines = report.tasks_table(rows, ["lambada", "arc_easy"]).splitlines()
+    assert lines[0] == ("| config | backend | lambada acc (Δ ± paired se) | arc_easy acc (Δ ± paired se) "
+                        "| arc_easy acc_norm (Δ ± paired se) |")
+    assert lines[2] == "| bf16 | engine | 50.00 | — | — |"
+
+
+def test_write_json_turns_infinities_into_null(tmp_path):
+    # strict JSON has no inf: a perplexity that overflowed must not lose the results file at the end of a run
+    path = report.write_json(tmp_path / "x.json", {"rows": [{"ppl": float("inf"), "d": -float("inf")}]})
+    assert json.loads(path.read_text()) == {"rows": [{"ppl": None, "d": None}]}
+
+
+def test_empty_parts_of_configs_are_skipped():
+    assert [c.name for c in parse_configs("bf16,")] == ["bf16"]  # a trailing comma, as --tasks takes one
+    assert [c.name for c in parse_configs(" fp32 , , bf16 ")] == ["fp32", "bf16"]
+    with pytest.raises(ValueError, match="no configurations given"):
+        parse_configs(" , ")

@@ -10,8 +10,9 @@ import torch
 from eightbit.eval.configs import CONFIGS, EngineScorer, Score, resolve_data_dir, score_from_prompt_logprobs
 from eightbit.eval.perplexity import evaluate_perplexity
 from eightbit.eval.peers import score_logits
-from eightbit.eval.tasks import (TASK_FILES, Item, build_requests, encode_pair, evaluate_task, hellaswag_preprocess,
-                                 load_task, mean_stderr, multiple_choice_outcomes, paired_difference)
+from eightbit.eval.tasks import (TASK_FILES, Item, argmax, build_requests, encode_pair, evaluate_task,
+                                 hellaswag_preprocess, load_task, mean_stderr, multiple_choice_outcomes,
+                                 paired_difference)
 
 
 def test_loaders_read_the_shared_files():
@@ -209,3 +210,61 @@ def test_lambada_greedy_matches_direct_hf(fp32_engine, hf_model, tokenizer):
     assert res["outcomes"]["acc"] == expected
     # lm-eval's lambada perplexity: exp of minus the mean per-passage log-likelihood (not per token)
     assert res["ppl"] == pytest.approx(math.exp(-sum(loglikelihoods) / len(loglikelihoods)), rel=1e-4)
+
+
+def test_hellaswag_preprocess_removes_each_bracket_tag_on_its_own():
+    # lm-eval: re.sub("\\[.*?\\]", "", text), non-greedy: the text between two WikiHow tags stays
+    assert hellaswag_preprocess("[header] How to stay warm [step] Wear a hat.") == " How to stay warm Wear a hat."
+
+
+def test_argmax_ties_go_to_the_first_choice_as_numpy():
+    assert argmax([-1.0, -1.0, -3.0]) == 0  # np.argmax (lm-eval's) returns the first maximum
+    items = [Item("t", "0", "ctx", [" ab", " cd"], gold=0, lengths=[2, 2]),
+             Item("t", "1", "ctx", [" ab", " cd"], gold=1, lengths=[2, 2])]
+    acc, acc_norm = multiple_choice_outcomes(items, [-2.0, -2.0, -2.0, -2.0])
+    assert acc == [1, 0] and acc_norm == [1, 0]
+
+
+def test_acc_norm_is_loglikelihood_per_character_exactly():
+    # lm-eval: acc_norm = argmax(ll / len(choice)). -2.0 / 1 = -2.0 < -3.9 / 2 = -1.95, so choice 1 wins;
+    # a length off by one (ll / (len + 1): -1.0 against -1.3) would pick choice 0
+    items = [Item("t", "0", "ctx", [" a", " bc"], gold=1, lengths=[1, 2])]
+    acc, acc_norm = multiple_choice_outcomes(items, [-2.0, -3.9])
+    assert acc == [0] and acc_norm == [1]
+
+
+def test_encode_pair_takes_the_continuation_from_the_whole_texts_tokens(tokenizer):
+    # lm-eval's _encode_pair: continuation = tok(context + continuation)[len(tok(context)):], not tok(continuation)
+    # on its own; "apple" + "sauce" merges across the boundary in SmolLM2's BPE
+    whole = tokenizer("I like applesauce", add_special_tokens=False).input_ids
+    ctx, cont = encode_pair(tokenizer, "I like apple", "sauce")
+    assert cont == whole[len(ctx):] and len(ctx) + len(cont) == len(whole)
+    assert cont != tokenizer("sauce", add_special_tokens=False).input_ids  # the case is not vacuous
+
+
+def test_a_continuation_that_merges_into_the_context_is_refused(tokenizer):
+    # "The cat" + "s": SmolLM2 encodes "The cats" in as many tokens as "The cat", so nothing would be scored, and a
+    # choice of log-likelihood 0 would win every argmax
+    assert len(tokenizer("The cats").input_ids) == len(tokenizer("The cat").input_ids)
+    with pytest.raises(ValueError, match="tokenized to nothing"):
+        encode_pair(tokenizer, "The cat", "s")
+
+
+def test_lambada_context_keeps_the_passage_text_as_lm_eval(tmp_path):
+    # lm-eval's lambada_openai: context = " ".join(text.split(" ")[:-1]), target = " " + text.split(" ")[-1]; the
+    # passage's newlines (most LAMBADA passages have them) and double spaces stay in the context
+    path = tmp_path / TASK_FILES["lambada"]
+    path.parent.mkdir()
+    path.write_text(json.dumps({"text": 'he left.\n\n"Go  home," said Ann'}) + "\n")
+    [item] = load_task("lambada", tmp_path)
+    assert item.context == 'he left.\n\n"Go  home," said' and item.continuations == [" Ann"]
+
+
+def test_an_infinite_log_likelihood_is_an_error_too():
+    # a token whose probability underflows to 0 scores -inf: the ppl would read inf, and a choice of -inf would
+    # lose every argmax without a word
+    from eightbit.eval.configs import check_finite
+
+    check_finite([Score(-3.0, False, 2)], "bf16")
+    with pytest.raises(ValueError, match="bf16: 1 of 2 requests scored a log-likelihood that is NaN or infinite"):
+        check_finite([Score(-3.0, False, 2), Score(-math.inf, False, 1)], "bf16")
