@@ -187,3 +187,26 @@ def test_a_kv_budget_used_up_by_the_step_says_what_took_it(monkeypatch):
                                          r"GiB, measured at max_num_batched_tokens=\d+ and max_num_seqs=\d+\).*raise "
                                          r"gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"):
         engine._num_kv_blocks()
+
+
+def test_sample_logits_takes_the_graph_rows_that_sample_and_computes_the_rest():
+    """A decode graph hands back the logits of its first `have` rows; rows that sample are taken from them, the others
+    go through the lm_head. Reference: the lm_head over every row, indexed by the sampling rows. (A one-token row that
+    does not sample, a 1-token prompt chunk beside decodes, is where the graph's rows are not all taken.)"""
+    from eightbit.engine.model_runner import ModelRunner
+
+    class Head:
+        def __init__(self):
+            self.w = torch.randn(11, 6, dtype=torch.float64)
+
+        def compute_logits(self, h):
+            return h @ self.w.T
+
+    head = Head()
+    runner = ModelRunner(head, block_size=16, device="cpu")
+    hidden = torch.randn(8, 6, dtype=torch.float64)
+    full = head.compute_logits(hidden)
+    for have in (0, 3, 8):
+        for rows in ([0, 2, 5, 7], [1, 2], [3, 4, 6], list(range(8)), [0, 1, 2], [5]):
+            got = runner._sample_logits(hidden, full[:have] if have else None, torch.tensor(rows))
+            torch.testing.assert_close(got, full[rows])

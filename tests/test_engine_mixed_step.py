@@ -195,3 +195,29 @@ def test_steps_split_into_graph_replays_match_requests_run_alone(graph_seqs, lim
             assert a.keys() == b.keys()
             torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), rtol=0,
                                        atol=1e-4)
+
+
+def test_a_one_token_prefill_after_a_longer_one_in_the_same_step():
+    """A prompt found in the prefix cache recomputes only its last token: admitted after a new prompt in the same
+    step, it is a one-token sequence behind a longer one, which ModelRunner.run must sort first (the decode part of
+    the context is its first rows). Reference: each prompt alone on a fresh engine."""
+    options = dict(load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.05)
+    cached = [(5 * j) % 900 + 3 for j in range(33)]  # two full blocks of 16 cached, the 33rd token recomputed
+    new = [(7 * j) % 900 + 11 for j in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    want = [LLM("llama-tiny", **options).generate([p], params, use_tqdm=False)[0].outputs[0] for p in (new, cached)]
+    llm = LLM("llama-tiny", **options)
+    llm.generate([cached], SamplingParams(max_tokens=1), use_tqdm=False)
+    orders, real_run = [], llm.engine.runner.run
+
+    def run(scheduled, *args, **kwargs):
+        orders.append([n for _, n in scheduled])
+        return real_run(scheduled, *args, **kwargs)
+
+    llm.engine.runner.run = run
+    got = [o.outputs[0] for o in llm.generate([new, cached], params, use_tqdm=False)]
+    assert [20, 1] in orders  # the case under test happened
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)

@@ -290,3 +290,26 @@ def test_a_write_removes_what_a_killed_write_left_but_not_one_in_progress(gguf):
     os.utime(abandoned, (hours_ago, hours_ago))
     gguf_cache.store(gguf, write_marker("x"))
     assert sorted(leftovers(gguf)) == [in_progress.name]
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", " off ", "0", "none", ""])
+def test_every_spelling_of_off_turns_the_cache_off(value, monkeypatch):
+    monkeypatch.setenv("EIGHTBIT_CACHE", value)
+    assert gguf_cache.cache_root() is None
+
+
+def test_a_pruned_entry_takes_its_lock_file_with_it(tmp_path, monkeypatch):
+    import transformers
+
+    monkeypatch.setenv("EIGHTBIT_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF one")
+    entries = []
+    for version in ("4.0", "5.0", "6.0"):
+        monkeypatch.setattr(transformers, "__version__", version)
+        with gguf_cache.converting(gguf):  # as weights._open_gguf does: the lock file is made here
+            entries.append(gguf_cache.store(gguf, lambda d: (d / "marker").write_text("x")))
+        time.sleep(0.01)
+    assert not entries[0].exists() and entries[1].exists() and entries[2].exists()
+    locks = sorted(p.name for p in entries[0].parent.glob("*.lock"))
+    assert locks == sorted(f"{e.name}.lock" for e in entries[1:])

@@ -190,3 +190,27 @@ def test_the_rope_table_covers_the_positions_in_use(max_model_len, rows):
 
     table = build_model(CONFIG, False, torch.float32, "cpu", max_model_len).model.layers[0].self_attn.attn.cos_sin_cache
     assert table.shape[0] == rows and torch.equal(table, cos_sin_cache(CONFIG, CONFIG.max_position_embeddings)[:rows])
+
+
+def test_a_tied_checkpoint_that_also_holds_lm_head_loads_and_ties_it():
+    """HF's state_dict() of a tied model lists lm_head.weight (the embedding, shared): a GGUF opened with the cache off
+    hands exactly that to load_weights. It is skipped, and the logits are those of HF's (tied) lm_head."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    config = tiny_config(num_hidden_layers=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = HFLlama(config).eval()
+    state = hf.state_dict()
+    assert "lm_head.weight" in state
+    model = build_model(config, False, torch.float32, "cpu")
+    load_weights(model, state.items())
+    h = torch.randn(3, config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model.compute_logits(h), hf.lm_head(h))
+
+
+def test_fused_linear_shard_sizes_must_add_up_to_out_features():
+    from eightbit.engine.layers.linear import Linear
+
+    with pytest.raises(ValueError, match="shard sizes add up to 8, not out_features=10"):
+        Linear(16, 10, shards={"q": 4, "k": 2, "v": 2}, dtype=torch.float32)

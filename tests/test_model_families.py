@@ -75,3 +75,52 @@ def test_a_sliding_window_mistral_runs_up_to_its_window(tmp_path, tiny_tokenizer
         assert abs(out.outputs[0].logprobs[j][token] - ref[len(ids) - 1 + j, token].item()) < 1e-4
     with pytest.raises(ValueError, match="leaves no room to generate within max_model_len=64"):
         llm.generate([[1] * 64], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("model_type, options, message", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
+     "Qwen2 sliding-window attention is not implemented"),
+    ("llama", dict(hidden_act="gelu"), "unsupported activation 'gelu'"),
+])
+def test_configs_the_model_would_run_wrongly_are_refused(model_type, options, message):
+    """HF's own model applies the window / the activation: run as full attention / SiLU they would be silently wrong."""
+    from eightbit.engine.models.llama import LlamaForCausalLM
+    from eightbit.quant.testing import tiny_config
+
+    with pytest.raises(ValueError, match=message):
+        LlamaForCausalLM(tiny_config(model_type, **options), dtype=torch.float32)
+
+
+def test_llama_with_attention_and_mlp_biases_matches_hf(tmp_path):
+    """Llama reads attention_bias and mlp_bias (Qwen2 and Mistral ignore them): q/k/v/o and gate/up/down get biases."""
+    from eightbit.quant.testing import make_tiny_tokenizer
+
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama", tokenizer=make_tiny_tokenizer(320), attention_bias=True,
+                                  mlp_bias=True)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory_gb=0.05)
+    ids = [1] + [(17 * i + 5) % 300 + 3 for i in range(40)]
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    ours = torch.tensor([e[t] for e, t in zip(out.prompt_logprobs[1:], ids[1:])], dtype=torch.float64)
+    torch.testing.assert_close(ours, ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4, rtol=0)
+
+
+def test_quantize_linears_gives_the_layout_of_a_model_built_w8a8():
+    """load_format="dummy" with quantization="w8a8" (the benchmarks) quantizes a float model in place: it must run the
+    same fused kernels as a model built W8A8 from an int8 checkpoint (norms and SiLU·up emitting int8)."""
+    from eightbit.engine.layers.linear import Linear
+    from eightbit.engine.models.llama import LlamaForCausalLM
+    from eightbit.quant.testing import tiny_config
+
+    config = tiny_config(num_hidden_layers=2)
+    converted = LlamaForCausalLM(config, quantized=False, dtype=torch.float32)
+    converted.quantize_linears_()
+    built = LlamaForCausalLM(config, quantized=True, dtype=torch.float32)
+
+    def layout(model):
+        return {name: (getattr(m, "quantize_output", None), getattr(m, "quantized", None))
+                for name, m in model.named_modules() if hasattr(m, "quantize_output") or isinstance(m, Linear)}
+
+    assert layout(converted) == layout(built)

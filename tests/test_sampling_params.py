@@ -74,3 +74,10 @@ def test_numpy_scalars_are_accepted_as_python_numbers():
     # a numpy bool is a bool where a bool is asked for (numpy 2 names its type numpy.bool, numpy 1 numpy.bool_)
     assert SamplingParams(ignore_eos=np.bool_(True), skip_special_tokens=np.False_).ignore_eos is True
     assert SamplingParams(skip_special_tokens=np.False_).skip_special_tokens is False
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs", "top_k"])
+def test_a_setting_as_large_as_the_vocabulary_fits_it_and_one_more_does_not(field):
+    SamplingParams(**{field: 320}).check_vocabulary(320)  # every token: allowed
+    with pytest.raises(ValueError, match=f"{field}=321 exceeds the vocabulary size 320"):
+        SamplingParams(**{field: 321}).check_vocabulary(320)

@@ -114,3 +114,38 @@ def test_a_non_gguf_file_is_refused(tmp_path):
     f.write_bytes(b"x")
     with pytest.raises(CheckpointError, match="not a .gguf"):
         open_checkpoint(f)
+
+
+def test_eos_ids_join_the_generation_config_s_and_the_config_s():
+    from types import SimpleNamespace
+
+    from eightbit.engine.weights import Checkpoint
+
+    def ids(gen, cfg):
+        return Checkpoint(None, SimpleNamespace(eos_token_id=cfg), None if gen is False else
+                          SimpleNamespace(eos_token_id=gen), None, []).eos_token_ids
+
+    assert ids([128001, 128009], 128001) == [128001, 128009]  # Llama 3: several in generation_config.json
+    assert ids(None, 2) == [2]  # a generation_config.json without eos_token_id: config.json's
+    assert ids(False, [2, 7]) == [2, 7]  # no generation_config.json at all
+    assert ids(5, 2) == [2, 5]
+
+
+def test_a_safetensors_file_longer_than_its_header_says_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"w": torch.arange(10, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    with open(tmp_path / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 64)  # a concatenation, or two files written over each other
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        open_checkpoint(tmp_path)
+
+
+def test_a_shard_index_naming_a_missing_file_is_named(tmp_path):
+    """A half-copied sharded checkpoint: the index names a shard that is not there (without the check, a bare
+    FileNotFoundError from deep inside the header check)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"names missing shard\(s\): model-00002-of-00002.safetensors"):
+        open_checkpoint(tmp_path)
