@@ -30,19 +30,20 @@ def add_bench_parser(subparsers):
     p = subparsers.add_parser("bench", help="benchmark throughput / latency / capacity vs HF, bnb, torchao")
     p.add_argument("action", choices=("run", "throughput", "latency", "capacity", "summary"),
                    help="run = the --benches of one --system; summary = merge results and check the goals")
-    p.add_argument("--system", choices=sorted(ENGINE_SYSTEMS) + sorted(PEER_SYSTEMS), default="eightbit-int8")
+    p.add_argument("--system", choices=sorted(ENGINE_SYSTEMS) + sorted(PEER_SYSTEMS), default="eightbit-int8",
+                   help="the engine or peer to run (default: eightbit-int8)")
     p.add_argument("--benches", default="latency,throughput", help="for `run`: comma list of " + ",".join(ALL_BENCHES))
     p.add_argument("--model", default="llama-3-8b", help="a dummy shape: llama-3-8b, llama-3.2-1b, llama-2-7b, llama-tiny")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="results dir (default: $OUT, else ./bench_out)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the request list, prompts and weights (default: 0)")
     p.add_argument("--time-cap", type=float, default=None, help="soft wall-clock budget of this process, seconds")
     p.add_argument("--throughput-cap", type=float, default=None,
                    help="soft budget of the throughput benchmark alone (so a slow peer leaves time for latency)")
     # throughput
     p.add_argument("--num-requests", type=int, default=256, help="requests in the list (eightbit runs all)")
     p.add_argument("--input-len", default="100:1024", help="uniform inclusive range LO:HI (or one number)")
-    p.add_argument("--output-len", default="100:1024")
+    p.add_argument("--output-len", default="100:1024", help="tokens generated per request: LO:HI or one number")
     p.add_argument("--prefix", type=int, default=None,
                    help="eightbit: also run the first N requests (to compare with peers run on that prefix)")
     p.add_argument("--peer-requests", type=int, default=64,
@@ -50,15 +51,16 @@ def add_bench_parser(subparsers):
     p.add_argument("--hf-batch-sizes", default=DEFAULT_HF_BATCH_SIZES, help="peers' static batch sizes to try")
     # latency
     p.add_argument("--batch-sizes", default="1,16,64", help="latency batch sizes")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=512, help="latency: prompt tokens per request (default: 512)")
+    p.add_argument("--new-tokens", type=int, default=128, help="latency: tokens generated per request (default: 128)")
     p.add_argument("--copy-bytes", type=int, default=1 << 30, help="copy-bandwidth buffer size (>= 1 GiB on GPU)")
-    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="time the first run too (compiles, graph captures)")
     # engine
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="eightbit: engine option (default: 0.9)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="eightbit: engine option (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="eightbit: engine option (default: 8192)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="eightbit: engine option (default: the model's context)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="fixed KV size (CPU tests)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-async-scheduling", action="store_true",
