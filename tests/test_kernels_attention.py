@@ -1319,3 +1319,96 @@ def test_tile_map_built_once_per_step_and_follows_in_place_changes():
     assert tile_idx.tolist()[:4] == [1, 0, 1, 0]
     other = torch.tensor([0, 5, 10], dtype=torch.int32)  # equal values, another tensor: rebuilt
     assert pmod._tile_map(other, 10, 4) is not pmod._tile_map(cu, 10, 4)
+
+
+def _naive_prefill(q, keys, values, first_pos, scale):
+    """float64 loops: q [n, Hq, D] at positions first_pos.., keys / values [L, Hkv, D]."""
+    n, hq, d = q.shape
+    group = hq // keys.shape[1]
+    out = torch.zeros(n, hq, d, dtype=torch.float64)
+    for i in range(n):
+        for h in range(hq):
+            k = keys[: first_pos + i + 1, h // group].double()
+            out[i, h] = torch.softmax(k @ q[i, h].double() * scale, 0) @ values[: first_pos + i + 1, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("ctx", [1, 65])
+def test_prefill_full_query_tile_sees_its_last_key_at_a_key_tile_start(ctx):
+    from eightbit.kernels.attention_configs import prefill_config
+
+    cfg = prefill_config(64, torch.float32)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 64)  # so ctx = 1 mod 64 puts key ctx + 127 at a tile start
+    g = torch.Generator().manual_seed(ctx)
+    n_q, hkv, hq, d, page = 128, 1, 2, 64, 16
+    seq_len = ctx + n_q
+    blocks = -(-seq_len // page)
+    k_cache = torch.full((blocks, page, hkv, d), float("nan"))
+    v_cache = k_cache.clone()
+    keys, values = torch.randn(seq_len, hkv, d, generator=g), torch.randn(seq_len, hkv, d, generator=g)
+    table = torch.randperm(blocks, generator=g).to(torch.int32).view(1, -1)
+    slots = torch.tensor([int(table[0, p // page]) * page + p % page for p in range(seq_len)])
+    R.kv_write(keys, values, k_cache, v_cache, None, None, slots)
+    q = torch.randn(n_q, hq, d, generator=g)
+    args = (k_cache, v_cache, None, None, table, torch.tensor([0, n_q], dtype=torch.int32),
+            torch.tensor([seq_len], dtype=torch.int32), d ** -0.5)
+    want = _naive_prefill(q, keys, values, ctx, d ** -0.5)
+    torch.testing.assert_close(prefill_attention(q, *args).double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(R.prefill_attention(q, *args).double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strided", ["q", "k", "cos_sin"])
+def test_rope_kv_write_reads_strided_heads_and_rotary_rows(strided):
+    g = torch.Generator().manual_seed(7)
+    t, hq, hkv, d, page, nblk = 5, 4, 2, 32, 4, 3
+    q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    pos = torch.tensor([0, 3, 7, 2, 9])
+    f = torch.outer(torch.arange(12, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos_sin = torch.cat([f.cos(), f.sin()], -1)
+    if strided == "q":  # heads 2 * d apart
+        q = torch.cat([q, torch.full_like(q, float("nan"))], -1)[..., :d]
+    elif strided == "k":
+        k = torch.cat([k, torch.full_like(k, float("nan"))], -1)[..., :d]
+    else:  # rows of a wider table
+        cos_sin = torch.cat([cos_sin, torch.full_like(cos_sin, float("nan"))], -1)[:, :d]
+    slots = torch.tensor([0, 5, -1, 9, 11])
+    outs = []
+    for fn in (rope_kv_write, R.rope_kv_write):
+        kc = torch.zeros(nblk, page, hkv, d)
+        vc = torch.zeros(nblk, page, hkv, d)
+        outs.append((fn(q, k, v, pos, cos_sin, kc, vc, None, None, slots), kc, vc))
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    x1, x2 = q[1, :, : d // 2].double(), q[1, :, d // 2:].double()  # position 3, in float64
+    c, s = f[3].cos().double(), f[3].sin().double()
+    torch.testing.assert_close(outs[0][0][1].double(), torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1), rtol=0,
+                               atol=1e-5)
+
+
+def test_prefill_config_switches_tables_at_long_prefill_tokens():
+    from eightbit.kernels import attention_configs as C
+
+    assert C.PREFILL[(128, "float")] != C.PREFILL_LONG[(128, "float")]  # else this test shows nothing
+    n = C.LONG_PREFILL_TOKENS
+    assert C.prefill_config(128, torch.float16, n - 1) == C.PREFILL[(128, "float")]
+    assert C.prefill_config(128, torch.float16, n) == C.PREFILL_LONG[(128, "float")]
+
+
+def test_kv_write_kernel_caps_large_groups_at_kv_absmax():
+    # as quantize_groups does: a group's absmax is capped at 127 * 512, so every dequantized value fits float16
+    from eightbit.quant.int8 import KV_ABSMAX, dequantize_groups
+
+    d, group = 16, 8
+    k = torch.zeros(2, 1, d)
+    k[0, 0, 0], k[0, 0, 1], k[0, 0, 9] = 1e6, -3.0, -7e4  # two groups past the cap
+    k[1, 0, 0] = 6e4  # under it
+    v = -k
+    kc = torch.zeros(1, 2, 1, d, dtype=torch.int8)
+    vc = torch.zeros(R.v_cache_shape(1, 2, 1, d, torch.int8), dtype=torch.int8)
+    ks = torch.zeros(1, 2, 1, d // group, dtype=torch.float16)
+    vs = ks.clone()
+    kv_write(k, v, kc, vc, ks, vs, torch.tensor([0, 1]))
+    assert ks[0, 0, 0].tolist() == [512.0, 512.0] and vs[0, 0, 0].tolist() == [512.0, 512.0]
+    back = dequantize_groups(kc[0, :, 0], ks[0, :, 0])
+    assert back[0, 0] == KV_ABSMAX and back[0, 9] == -KV_ABSMAX and abs(back[1, 0] - 6e4) < 60
+    assert torch.isfinite(back.half()).all()

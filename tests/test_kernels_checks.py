@@ -212,3 +212,32 @@ def test_the_reference_takes_float64_as_the_gpu_tests_oracle_and_the_kernels_ref
     assert out.dtype == torch.float64 and out.isfinite().all()
     with pytest.raises(ValueError, match="q must be float16/bfloat16/float32, got torch.float64"):
         pmod.prefill_attention(**args)
+
+
+def test_a_scale_with_more_elements_than_rows_is_refused():
+    xq, wq = torch.ones(4, 32, dtype=torch.int8), torch.ones(8, 32, dtype=torch.int8)
+    for fn in (R.int8_gemm, gmod.int8_gemm):
+        with pytest.raises(ValueError, match=r"x_scale must be a \[4\] or \[4, 1\] tensor"):
+            fn(xq, torch.ones(5), wq, torch.ones(8), None, torch.float32)
+        with pytest.raises(ValueError, match=r"w_scale must be a \[8\] or \[8, 1\] tensor"):
+            fn(xq, torch.ones(4), wq, torch.ones(16), None, torch.float32)
+
+
+def test_a_v_cache_of_another_dtype_than_k_cache_is_refused():
+    """int8 K with a float16 V of the token-major shape (the layout a float16 V would have): refused by the dtype, not
+    by the shape; and a float16 K with a float32 V."""
+    for kc, vc in ((torch.zeros(6, 4, 2, 16, dtype=torch.int8), torch.zeros(6, 4, 2, 16, dtype=torch.float16)),
+                   (torch.zeros(6, 4, 2, 16, dtype=torch.float16), torch.zeros(6, 4, 2, 16, dtype=torch.float32))):
+        scales = (torch.ones(6, 4, 2, 2, dtype=torch.float16),) * 2 if kc.dtype == torch.int8 else (None, None)
+        for fn in (R.kv_write, kmod.kv_write):
+            with pytest.raises(ValueError, match="v_cache must be"):
+                fn(torch.randn(3, 2, 16), torch.randn(3, 2, 16), kc, vc, *scales, torch.arange(3))
+
+
+def test_k_and_v_scales_of_different_float_dtypes_are_refused():
+    kc = torch.zeros(6, 4, 2, 16, dtype=torch.int8)
+    vc = torch.zeros(R.v_cache_shape(6, 4, 2, 16, torch.int8), dtype=torch.int8)
+    ks, vs = torch.ones(6, 4, 2, 2, dtype=torch.float16), torch.ones(6, 4, 2, 2, dtype=torch.float32)
+    for fn in (R.kv_write, kmod.kv_write):
+        with pytest.raises(ValueError, match="scales must share one float dtype"):
+            fn(torch.randn(3, 2, 16), torch.randn(3, 2, 16), kc, vc, ks, vs, torch.arange(3))

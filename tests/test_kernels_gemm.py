@@ -958,3 +958,64 @@ def test_pdl_chain_in_graph_matches_without_pdl(m):
     reference = {"rmsnorm_quant": R.rmsnorm_quant, "silu_mul_quant": R.silu_mul_quant, "int8_gemm": R.int8_gemm}
     expected = chain(reference).float()
     assert ((out.float() - expected).norm() / expected.norm()).item() < 0.02
+
+
+def test_quant_per_token_takes_a_row_of_exactly_max_row_elements():
+    from eightbit.kernels.quant_per_token import MAX_ROW
+
+    x = torch.randn(2, MAX_ROW, generator=torch.Generator().manual_seed(0))
+    q, s = quant_per_token(x)
+    rq, rs = R.quant_per_token(x)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+    with pytest.raises(ValueError, match="longer than the supported"):
+        quant_per_token(torch.zeros(1, MAX_ROW + 1))
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_rms_norm_reads_a_residual_with_its_own_row_stride(quant):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 48, generator=g)
+    wide = torch.randn(5, 2 * 48, generator=g)
+    res = wide[:, 16:64]  # last dim contiguous, row stride 96 (x's is 48)
+    w = torch.rand(48, generator=g) + 0.5
+    want = x.double() + res.double()
+    want_out = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    if quant:
+        q, s, new_res = rmsnorm_quant(x, w, 1e-6, res)
+        rq, rs, _ = R.rmsnorm_quant(x, w, 1e-6, res.contiguous())
+        assert torch.equal(q, rq) and torch.equal(s, rs)
+    else:
+        out, new_res = rms_norm(x, w, 1e-6, res)
+        torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_res.double(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["x", "w"])
+def test_gemv_falls_back_when_only_one_operand_is_misaligned(which):
+    from eightbit.kernels.int8_gemm import gemv_ok
+
+    cfg = GemmConfig(2, 16, 32, split_k=1, num_warps=4, num_stages=1, kernel="gemv")
+    g = torch.Generator().manual_seed(4)
+    big_x = torch.randint(-128, 128, (3, 160), generator=g, dtype=torch.int8)
+    big_w = torch.randint(-128, 128, (40, 160), generator=g, dtype=torch.int8)
+    xq, wq = big_x[:, 4:160], big_w[:, 4:160]  # K = 156, aligned views
+    if which == "x":
+        xq = big_x[:, 1:157]
+    else:
+        wq = big_w[:, 1:157]
+    assert not gemv_ok(xq, wq)
+    out = int8_gemm_with_config(xq, torch.ones(3, 1), wq, torch.ones(40, 1), None, torch.float32, cfg)
+    assert torch.equal(out, (xq.long() @ wq.long().t()).float())
+
+
+def test_small_m_borrows_a_table_entry_only_up_to_bucket_16(monkeypatch):
+    C = gemm_configs
+    n, k = 4104, 4104  # a shape no real table holds
+    at16, at32 = C.GemmConfig(16, 32, 64, 1, 2, 4, 3), C.GemmConfig(32, 32, 64, 1, 1, 4, 3)
+    monkeypatch.setattr(C, "_memo", {})
+    monkeypatch.setattr(C, "_table_for", lambda name: {(32, n, k): at32})
+    assert C.get_config(8, n, k) == C.default_config(8, n, k)  # 32 is past 16: the default, not the 32 entry
+    assert C.get_config(32, n, k) == at32
+    monkeypatch.setattr(C, "_memo", {})
+    monkeypatch.setattr(C, "_table_for", lambda name: {(16, n, k): at16, (32, n, k): at32})
+    assert C.get_config(8, n, k) == at16 and C.get_config(3, n, k) == C.default_config(3, n, k)  # gemv default

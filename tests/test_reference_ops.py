@@ -193,3 +193,74 @@ def test_a_grown_scratch_buffer_keeps_the_old_one_alive():
     assert scratch.zeroed_scratch(cache, dev, 12, 16, "test buffer") is small  # large enough: the same one
     big = scratch.zeroed_scratch(cache, dev, 100, 16, "test buffer")
     assert big.numel() == 100 and not big.any() and any(b is small for b in scratch._RETIRED)
+
+
+def test_rotary_by_hand():
+    """Rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), cos | sin per position in the cache's columns."""
+    cos_sin = torch.tensor([[1.0, 1.0, 0.0, 0.0],  # position 0: angle 0
+                            [0.0, 0.6, 1.0, 0.8]])  # position 1: 90 degrees for pair 0, cos .6 / sin .8 for pair 1
+    q = torch.tensor([[[1.0, 2.0, 3.0, 4.0]], [[1.0, 2.0, 3.0, 4.0]]])  # [T=2, Hq=1, D=4]
+    k = q.clone() * 2
+    qr, kr = R.rotary(q, k, torch.tensor([0, 1]), cos_sin)
+    assert torch.equal(qr[0], q[0]) and torch.equal(kr[0], k[0])
+    want = torch.tensor([1 * 0 - 3 * 1, 2 * 0.6 - 4 * 0.8, 3 * 0 + 1 * 1, 4 * 0.6 + 2 * 0.8])
+    torch.testing.assert_close(qr[1, 0], want)
+    torch.testing.assert_close(kr[1, 0], 2 * want)
+
+
+def test_silu_mul_by_hand():
+    """gate first, then up: silu(g) * u = g / (1 + e^-g) * u."""
+    gu = torch.tensor([[1.0, -2.0, 2.0, 3.0]])  # gate [1, -2], up [2, 3]
+    want = torch.tensor([[1 / (1 + math.exp(-1)) * 2, -2 / (1 + math.exp(2)) * 3]])
+    torch.testing.assert_close(R.silu_mul(gu), want, rtol=1e-6, atol=0)
+    q, s = R.silu_mul_quant(gu)
+    torch.testing.assert_close(s, want.abs().amax(-1, keepdim=True) / 127, rtol=1e-6, atol=0)
+
+
+def test_rms_norm_eps_by_hand():
+    """eps inside the root: x = (3, 4), mean of squares 12.5, eps 7.5 -> x / sqrt(20) * w."""
+    out, res = R.rms_norm(torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 2.0]), 7.5)
+    assert res is None
+    torch.testing.assert_close(out, torch.tensor([[3 / math.sqrt(20), 8 / math.sqrt(20)]]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_attention_uses_the_softmax_scale_it_is_given(op):
+    """Two keys, scores (1, 2) * scale, values e0 and e1: the output is softmax(scale * (1, 2)) by hand, for a scale
+    that is not head_dim ** -0.5."""
+    d, scale = 16, 0.7
+    k_cache = torch.zeros(1, 4, 1, d)
+    v_cache = torch.zeros(1, 4, 1, d)
+    k_cache[0, 0, 0, 0], k_cache[0, 1, 0, 0] = 1.0, 2.0
+    v_cache[0, 0, 0, 0], v_cache[0, 1, 0, 1] = 1.0, 1.0
+    q = torch.zeros(1, 1, d)
+    q[0, 0, 0] = 1.0
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    if op == "decode":
+        out = R.decode_attention(q, k_cache, v_cache, None, None, table, lens, scale)
+    else:
+        out = R.prefill_attention(q, k_cache, v_cache, None, None, table, torch.tensor([0, 1]), lens, scale)
+    p1 = 1 / (1 + math.exp(-scale))  # weight of key 1: e^{2s} / (e^s + e^{2s})
+    torch.testing.assert_close(out[0, 0, :2], torch.tensor([1 - p1, p1]), rtol=1e-6, atol=1e-7)
+
+
+def test_reference_dequantize_blocks_holds_each_sequences_tokens():
+    g = torch.Generator().manual_seed(6)
+    page, hkv, d, nblocks = 4, 2, 16, 8
+    k_cache = torch.zeros(nblocks, page, hkv, d, dtype=torch.int8)
+    v_cache = torch.zeros(R.v_cache_shape(nblocks, page, hkv, d, torch.int8), dtype=torch.int8)
+    k_scale = torch.zeros(nblocks, page, hkv, d // 8, dtype=torch.float16)
+    v_scale = k_scale.clone()
+    table = torch.tensor([[5, 2, 7], [0, 3, -1]], dtype=torch.int32)
+    lens = torch.tensor([10, 5], dtype=torch.int32)  # 2.5 and 1.25 blocks: partial last blocks
+    want = []
+    for b, length in enumerate(lens.tolist()):
+        k, v = torch.randn(length, hkv, d, generator=g), torch.randn(length, hkv, d, generator=g)
+        slots = torch.tensor([int(table[b, p // page]) * page + p % page for p in range(length)])
+        R.kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slots)
+        want.append((dequantize_groups(*quantize_groups(k, 8)), dequantize_groups(*quantize_groups(v, 8))))
+    kc, vc, tab = R.dequantize_blocks(k_cache, v_cache, k_scale, v_scale, table, lens, torch.float32)
+    assert torch.equal(tab, torch.arange(6, dtype=torch.int32).view(2, 3))
+    for b, length in enumerate(lens.tolist()):
+        assert torch.equal(kc[3 * b: 3 * b + 3].flatten(0, 1)[:length], want[b][0])
+        assert torch.equal(vc[3 * b: 3 * b + 3].flatten(0, 1)[:length], want[b][1])
