@@ -3,8 +3,11 @@
 The model runner sets it before the forward and resets it after; the attention
 layers read it. Keeping it out of the call signatures lets the same forward run
 eagerly and under a CUDA graph (whose captured tensors are these, refilled in place).
+It is kept per thread: engines stepped in different threads of one process (a server's
+engine thread beside an offline `LLM`) would otherwise run on each other's metadata.
 """
 
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -47,16 +50,20 @@ class Context:
         return self.block_tables[nd:, :self.prefill_width], self.seq_lens[nd:]
 
 
-_CONTEXT = Context()
+class _ThreadContext(threading.local):
+    def __init__(self):
+        self.context = Context()
+
+
+_current = _ThreadContext()
 
 
 def get_context() -> Context:
-    return _CONTEXT
+    return _current.context
 
 
 def set_context(context: Context):
-    global _CONTEXT
-    _CONTEXT = context
+    _current.context = context
 
 
 def reset_context():
