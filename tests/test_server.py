@@ -1332,3 +1332,303 @@ def test_choice_indices_of_a_prompt_list_with_n(server):
                                             "max_tokens": 1, "temperature": 0})
     assert resp.status_code == 200, resp.text
     assert sorted(c["index"] for c in resp.json()["choices"]) == [0, 1, 2, 3]
+
+
+# --- what a mutation run found untested (review_s61_server_mutations) ---------------------------------------
+
+CAPITAL_PROMPT = "The capital of France is"
+COLOUR = [{"role": "user", "content": "Name a colour and say why you like it."}]
+
+
+def _events(server, path, body):
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_a_stop_token_id_is_the_stop_reason(server, offline):
+    # vLLM: stop_reason is the stop string or the stop token id that ended the choice (int), None for EOS/length
+    free = offline.generate([CAPITAL_PROMPT], greedy(16), use_tqdm=False)[0].outputs[0]
+    tid = free.token_ids[3]
+    ref = offline.generate([CAPITAL_PROMPT], greedy(16, stop_token_ids=[tid]), use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop" and ref.stop_reason == tid  # the reference itself
+    body = {"model": MODEL, "prompt": CAPITAL_PROMPT, "max_tokens": 16, "temperature": 0, "stop_token_ids": [tid]}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (ref.text, "stop", tid)
+    last = [c for e in _events(server, "/v1/completions", {**body, "stream": True}) for c in e["choices"]
+            if c["finish_reason"]]
+    assert len(last) == 1 and last[0]["stop_reason"] == tid
+
+
+def test_a_chat_stream_with_n_opens_and_counts_every_choice(server):
+    # OpenAI: each choice's first delta carries role "assistant"; usage counts every choice's tokens
+    # a seed whose choice 0 ends first: the choices run in lockstep, so a count that reads choice 0's tokens for
+    # every choice is wrong only when choice 0 stops before the others
+    for seed in range(1, 17):
+        body = {"model": MODEL, "messages": COLOUR, "max_tokens": 24, "n": 2, "temperature": 1.0, "seed": seed,
+                "logprobs": True, "stop": [".", "!", ","]}
+        whole = post(server, "/v1/chat/completions", body).json()
+        lengths = [len(c["logprobs"]["content"]) for c in sorted(whole["choices"], key=lambda c: c["index"])]
+        if lengths[0] < lengths[1]:
+            break
+    assert lengths[0] < lengths[1], lengths
+    events = _events(server, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    opened = {}
+    for e in events:
+        for c in e["choices"]:
+            opened.setdefault(c["index"], c["delta"].get("role"))
+    assert opened == {0: "assistant", 1: "assistant"}
+    assert events[-1]["usage"]["completion_tokens"] == sum(lengths) == whole["usage"]["completion_tokens"]
+
+
+def test_the_queue_bound_counts_every_prompt_of_a_list(server):
+    state = server.app.state.server
+    state.max_queue, state.num_queued = 2, state.num_queued + 1  # one prompt waits: room for one more
+    try:
+        two = post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2})
+        one = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
+    finally:
+        state.num_queued -= 1
+        state.max_queue = None
+    assert two.status_code == 503 and two.headers["retry-after"] == "1", two.text
+    assert one.status_code == 200, one.text
+
+
+def test_a_running_request_leaves_the_queue_at_its_first_token(server):
+    # num_queued counts requests that have not produced a token yet: a long generation must not hold a queue slot
+    state = server.app.state.server
+    body = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}
+    state.max_queue = 1
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert any(next(lines).startswith("data: {") for _ in range(4))  # it runs
+            assert state.num_queued == 0
+            other = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
+            assert other.status_code == 200, other.text
+    finally:
+        state.max_queue = None
+
+
+def test_histogram_buckets_are_inclusive_and_cumulative():
+    # Prometheus: bucket le="x" counts observations <= x, and buckets are cumulative
+    from eightbit.engine.server.metrics import Histogram
+
+    h = Histogram((0.1, 0.5))
+    for v in (0.1, 0.3, 0.5, 0.7):
+        h.observe(v)
+    assert h.lines("t") == ['t_bucket{le="0.1"} 1', 't_bucket{le="0.5"} 3', 't_bucket{le="+Inf"} 4',
+                            "t_sum 1.6", "t_count 4"]
+
+
+def _late_stop_token(token_ids, after=17):
+    """A token first emitted at position >= after, so that a stop there ends the output past 16 tokens."""
+    for i, t in enumerate(token_ids):
+        if i >= after and t not in token_ids[:i]:
+            return i, t
+    raise AssertionError("no fresh token late in the output")
+
+
+def test_max_tokens_null_means_no_limit_and_chat_has_no_default_limit(server, offline):
+    # protocol.py: null max_tokens keeps its meaning (as much as the context leaves), and chat's default is none
+    # (OpenAI); the completions default of 16 must not leak into either
+    free = offline.generate([CAPITAL_PROMPT], greedy(40), use_tqdm=False)[0].outputs[0]
+    i, tid = _late_stop_token(free.token_ids)
+    body = {"model": MODEL, "prompt": CAPITAL_PROMPT, "max_tokens": None, "temperature": 0, "stop_token_ids": [tid]}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    ref = offline.generate([CAPITAL_PROMPT], greedy(None, stop_token_ids=[tid]), use_tqdm=False)[0].outputs[0]
+    assert len(ref.token_ids) == i + 1 and ref.finish_reason == "stop"
+    assert (choice["text"], choice["finish_reason"]) == (ref.text, "stop")
+    messages = [{"role": "user", "content": "Tell me a story about a dragon."}]
+    free = offline.chat(messages, greedy(40), use_tqdm=False)[0].outputs[0]
+    i, tid = _late_stop_token(free.token_ids)
+    ref = offline.chat(messages, greedy(None, stop_token_ids=[tid]), use_tqdm=False)[0].outputs[0]
+    resp = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "temperature": 0,
+                                                 "stop_token_ids": [tid]}).json()
+    assert resp["usage"]["completion_tokens"] == len(ref.token_ids) == i + 1
+    assert resp["choices"][0]["message"]["content"] == ref.text and resp["choices"][0]["finish_reason"] == "stop"
+
+
+def test_an_empty_stream_options_asks_for_no_usage(server):
+    # include_usage defaults to false: `stream_options: {}` (sent by some clients always) adds no usage chunk
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        events = _events(server, path, {"model": MODEL, "max_tokens": 2, "stream": True, "stream_options": {}, **body})
+        assert events and all("usage" not in e for e in events) and all(e["choices"] for e in events), path
+
+
+def test_a_chat_stream_s_last_chunk_has_an_empty_delta(server, offline):
+    # OpenAI's streaming example: the chunk with finish_reason "stop" (EOS, whose text is not shown) has delta {}
+    messages = [{"role": "user", "content": "Say hi."}]
+    ref = offline.chat(messages, greedy(64), use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop"  # ended by EOS: the last step adds no text
+    events = _events(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 64,
+                                                       "temperature": 0, "stream": True})
+    assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == ref.text
+    last = [c for e in events for c in e["choices"] if c["finish_reason"]]
+    assert len(last) == 1 and last[0]["finish_reason"] == "stop" and last[0]["delta"] == {}, last
+
+
+def test_n_equal_to_max_num_seqs_is_taken(server):
+    # the samples of a prompt run together: n up to max_num_seqs fits, one more does not
+    limit = server.app.state.server.max_num_seqs
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": limit, "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    assert sorted(c["index"] for c in resp.json()["choices"]) == list(range(limit))
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": limit + 1, "max_tokens": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+
+
+def test_min_tokens_that_fill_the_context_exactly_fit(server):
+    # prompt + min_tokens == max_model_len leaves room for exactly min_tokens (max_tokens null: up to the context)
+    n = server.app.state.server.max_model_len
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [28] * (n - 2), "max_tokens": None,
+                                            "min_tokens": 2, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 2 and resp.json()["choices"][0]["finish_reason"] == "length"
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [28] * (n - 2), "max_tokens": None,
+                                            "min_tokens": 3})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_tokens", resp.text
+
+
+def test_a_failed_step_fails_what_is_in_flight_and_the_loop_serves_on():
+    # async_engine.py: an engine step that raises fails every request in flight with EngineLoopError (the handler
+    # answers 500) instead of leaving it to run on unreported; the loop keeps serving
+    import asyncio
+
+    from eightbit import EngineConfig, LLMEngine, SamplingParams
+    from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Sink
+
+    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    real_step, calls = engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = step
+    looper = AsyncEngine(engine, idle_poll_s=0.05).start()
+
+    async def one(rid):
+        q = asyncio.Queue()
+        looper.submit(rid, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True),
+                      Sink(asyncio.get_running_loop(), q), every_step=False)
+        while True:
+            _, item = await asyncio.wait_for(q.get(), 30)
+            if isinstance(item, Exception) or item.finished:
+                return item
+
+    try:
+        first = asyncio.run(one("a"))
+        assert isinstance(first, EngineLoopError) and "boom" in str(first), first
+        assert looper.alive and "a" not in engine.requests
+        second = asyncio.run(one("b"))
+        assert not isinstance(second, Exception) and len(second.outputs[0].token_ids) == 3
+    finally:
+        looper.stop()
+
+
+def test_a_request_with_n_samples_is_one_running_request_of_n_sequences(server):
+    wait_idle(server)
+    body = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 500, "ignore_eos": True,
+            "n": 3, "temperature": 1.0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert sum(next(lines).startswith("data: {") for _ in range(12)) >= 3  # it runs
+        m = metrics(server)
+    assert m["eightbit_num_requests_running"] == 1 and m["eightbit_num_sequences_running"] == 3, m
+    wait_idle(server)
+
+
+def test_an_unhandled_error_under_allow_all_origins_names_any_origin():
+    # with allowed origins "*", CORSMiddleware answers every origin with "*"; the 500 made outside it must too
+    from eightbit import EngineConfig, LLMEngine
+    from eightbit.engine.server import api
+    from eightbit.engine.server.cli import BackgroundServer
+
+    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    srv = BackgroundServer(engine, allowed_origins=("*",)).start()
+    real = api._check_limits
+    try:
+        ok = httpx.get(srv.url + "/v1/models", headers={"origin": "https://any.test"})
+        assert ok.headers["access-control-allow-origin"] == "*"
+        api._check_limits = lambda *a, **k: 1 / 0
+        resp = httpx.post(srv.url + "/v1/completions", headers={"origin": "https://any.test"},
+                          json={"model": "llama-tiny", "prompt": [1, 2, 3], "max_tokens": 1})
+        assert resp.status_code == 500 and resp.headers["access-control-allow-origin"] == "*", resp.headers
+    finally:
+        api._check_limits = real
+        srv.stop()
+
+
+def test_stopping_the_loop_fails_what_is_in_flight():
+    # EngineLoopError's contract: a request in flight when the loop ends hears of it instead of waiting for ever
+    import asyncio
+
+    from eightbit import EngineConfig, LLMEngine, SamplingParams
+    from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Sink
+
+    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    looper = AsyncEngine(engine, idle_poll_s=0.05).start()
+
+    async def main():
+        q = asyncio.Queue()
+        looper.submit("a", [1, 2, 3], SamplingParams(max_tokens=250, ignore_eos=True),
+                      Sink(asyncio.get_running_loop(), q), every_step=True)
+        _, item = await asyncio.wait_for(q.get(), 30)  # it runs
+        assert not isinstance(item, Exception)
+        await asyncio.get_running_loop().run_in_executor(None, looper.stop)
+        while True:
+            _, item = await asyncio.wait_for(q.get(), 30)
+            if isinstance(item, Exception) or item.finished:
+                return item
+
+    last = asyncio.run(main())
+    assert isinstance(last, EngineLoopError) and "stopped" in str(last), last
+
+
+def test_every_sample_is_counted_by_its_finish_reason(server):
+    key = 'eightbit_request_success_total{finish_reason="length"}'
+    before = metrics(server).get(key, 0)
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 3, "max_tokens": 2,
+                                            "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert metrics(server)[key] == before + 3
+
+
+def test_a_streamed_prompt_list_with_n_keeps_its_choices_apart(server, offline):
+    # OpenAI/vLLM: choice index = prompt index * n + sample index, in a stream as without; usage counts every
+    # prompt's own tokens (the prompts end at different lengths here)
+    # prompt 0 ends first: the prompts run in lockstep, so a count that reads prompt 0's tokens for every prompt is
+    # wrong only when prompt 0 stops before the others
+    prompts = ["The sky is", "Hello"]
+    free = [r.outputs[0].token_ids for r in offline.generate(prompts, greedy(8), use_tqdm=False)]
+    tid = free[0][1]
+    assert tid not in free[1] and tid not in free[0][:1]
+    ref = offline.generate(prompts, greedy(8, stop_token_ids=[tid]), use_tqdm=False)
+    lengths = [len(r.outputs[0].token_ids) for r in ref]
+    assert 2 == lengths[0] < lengths[1]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 8, "temperature": 0, "stop_token_ids": [tid]}
+    events = _events(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    joined = {}
+    for e in events:
+        for c in e["choices"]:
+            joined[c["index"]] = joined.get(c["index"], "") + c["text"]
+    assert joined == {0: ref[0].outputs[0].text, 1: ref[0].outputs[0].text,
+                      2: ref[1].outputs[0].text, 3: ref[1].outputs[0].text}
+    assert events[-1]["usage"]["completion_tokens"] == 2 * sum(lengths)
+
+
+def test_prompt_token_ids_must_be_inside_the_vocabulary(server):
+    # ids are in [0, vocab_size): the first id past the end is a 400 naming the prompt, not an engine step failure
+    v = server.app.state.server.vocab_size
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [1, v], "max_tokens": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [1, v - 1], "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
