@@ -1321,21 +1321,10 @@ def test_tile_map_built_once_per_step_and_follows_in_place_changes():
     assert pmod._tile_map(other, 10, 4) is not pmod._tile_map(cu, 10, 4)
 
 
-def _naive_prefill(q, keys, values, first_pos, scale):
-    """float64 loops: q [n, Hq, D] at positions first_pos.., keys / values [L, Hkv, D]."""
-    n, hq, d = q.shape
-    group = hq // keys.shape[1]
-    out = torch.zeros(n, hq, d, dtype=torch.float64)
-    for i in range(n):
-        for h in range(hq):
-            k = keys[: first_pos + i + 1, h // group].double()
-            out[i, h] = torch.softmax(k @ q[i, h].double() * scale, 0) @ values[: first_pos + i + 1, h // group].double()
-    return out
-
-
 @pytest.mark.parametrize("ctx", [1, 65])
 def test_prefill_full_query_tile_sees_its_last_key_at_a_key_tile_start(ctx):
     from eightbit.kernels.attention_configs import prefill_config
+    from test_reference_ops import naive_attention
 
     cfg = prefill_config(64, torch.float32)
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 64)  # so ctx = 1 mod 64 puts key ctx + 127 at a tile start
@@ -1352,7 +1341,7 @@ def test_prefill_full_query_tile_sees_its_last_key_at_a_key_tile_start(ctx):
     q = torch.randn(n_q, hq, d, generator=g)
     args = (k_cache, v_cache, None, None, table, torch.tensor([0, n_q], dtype=torch.int32),
             torch.tensor([seq_len], dtype=torch.int32), d ** -0.5)
-    want = _naive_prefill(q, keys, values, ctx, d ** -0.5)
+    want = naive_attention(q, keys, values, ctx)  # float64 loops, scale d ** -0.5
     torch.testing.assert_close(prefill_attention(q, *args).double(), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(R.prefill_attention(q, *args).double(), want, rtol=0, atol=1e-5)
 
