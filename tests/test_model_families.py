@@ -5,7 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eightbit import LLM, SamplingParams
-from eightbit.quant.testing import make_tiny_checkpoint
+from eightbit.engine.layers.linear import Linear
+from eightbit.engine.models.llama import LlamaForCausalLM
+from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer, tiny_config
 
 FAMILIES = {
     "llama": dict(model_type="llama"),
@@ -26,7 +28,6 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from eightbit.quant.testing import make_tiny_tokenizer
 
     return make_tiny_tokenizer(320)
 
@@ -84,17 +85,12 @@ def test_a_sliding_window_mistral_runs_up_to_its_window(tmp_path, tiny_tokenizer
 ])
 def test_configs_the_model_would_run_wrongly_are_refused(model_type, options, message):
     """HF's own model applies the window / the activation: run as full attention / SiLU they would be silently wrong."""
-    from eightbit.engine.models.llama import LlamaForCausalLM
-    from eightbit.quant.testing import tiny_config
-
     with pytest.raises(ValueError, match=message):
         LlamaForCausalLM(tiny_config(model_type, **options), dtype=torch.float32)
 
 
 def test_llama_with_attention_and_mlp_biases_matches_hf(tmp_path):
     """Llama reads attention_bias and mlp_bias (Qwen2 and Mistral ignore them): q/k/v/o and gate/up/down get biases."""
-    from eightbit.quant.testing import make_tiny_tokenizer
-
     folder = make_tiny_checkpoint(tmp_path / "m", "llama", tokenizer=make_tiny_tokenizer(320), attention_bias=True,
                                   mlp_bias=True)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -110,10 +106,6 @@ def test_llama_with_attention_and_mlp_biases_matches_hf(tmp_path):
 def test_quantize_linears_gives_the_layout_of_a_model_built_w8a8():
     """load_format="dummy" with quantization="w8a8" (the benchmarks) quantizes a float model in place: it must run the
     same fused kernels as a model built W8A8 from an int8 checkpoint (norms and SiLU·up emitting int8)."""
-    from eightbit.engine.layers.linear import Linear
-    from eightbit.engine.models.llama import LlamaForCausalLM
-    from eightbit.quant.testing import tiny_config
-
     config = tiny_config(num_hidden_layers=2)
     converted = LlamaForCausalLM(config, quantized=False, dtype=torch.float32)
     converted.quantize_linears_()

@@ -79,6 +79,21 @@ def post(server, path, body, **kw):
     return httpx.post(server.url + path, content=content, headers=headers, **kw)
 
 
+def stream_events(server, path, body, timeout=120) -> list[dict]:
+    """POST a streamed request; the JSON of its data: lines (the final [DONE] left out)."""
+    with httpx.stream("POST", server.url + path, json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def tiny_engine():
+    """A dummy-weight engine of its own, for tests that need one beside the session's servers."""
+    from eightbit import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
+                                  kv_cache_memory_gb=0.01, max_model_len=256))
+
+
 def parallel(*calls):
     """Run the zero-argument callables at once (their requests share engine steps); results in order."""
     with ThreadPoolExecutor(len(calls)) as pool:
@@ -198,13 +213,10 @@ def test_completions_stream(server, client, offline):
     assert all("usage" not in json.loads(line[6:]) for line in lines[:-1])
     for path, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-        with httpx.stream("POST", server.url + path, timeout=60, json={
-                "model": MODEL, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, **body}) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        events = stream_events(server, path, {"model": MODEL, "max_tokens": 3, "stream": True,
+                                              "stream_options": {"include_usage": True}, **body})
         assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] >= 1
-        with httpx.stream("POST", server.url + path, timeout=60,
-                          json={"model": MODEL, "max_tokens": 3, "stream": True, **body}) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        events = stream_events(server, path, {"model": MODEL, "max_tokens": 3, "stream": True, **body})
         assert events and all("usage" not in e for e in events), path
 
 
@@ -380,9 +392,7 @@ def test_completion_logprobs_of_partial_characters(server):
     assert b"".join(raw).decode() == text
     assert lp["text_offset"] == [len(b"".join(raw[:i]).decode("utf-8", errors="ignore")) for i in range(len(raw))]
     assert all(top for top in lp["top_logprobs"]) and lp["text_offset"][-1] <= len(text)
-    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
-        chunks = [json.loads(line[len("data: "):]) for line in resp.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = stream_events(server, "/v1/completions", {**body, "stream": True})
     streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
     assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
     assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
@@ -1116,11 +1126,9 @@ def test_the_chat_template_s_bos_is_not_doubled(tokenizer):
 
 
 def test_pending_aborts_are_not_counted_as_waiting_requests():
-    from eightbit import EngineConfig, LLMEngine
     from eightbit.engine.server.async_engine import AsyncEngine
 
-    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    engine = tiny_engine()
     loop = AsyncEngine(engine)  # not started: commands stay queued
     for i in range(5):
         loop.abort(f"gone-{i}")
@@ -1135,11 +1143,9 @@ def test_a_stopped_loop_lets_its_engine_go_and_may_be_stopped_again():
     import gc
     import weakref
 
-    from eightbit import EngineConfig, LLMEngine
     from eightbit.engine.server.async_engine import AsyncEngine
 
-    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    engine = tiny_engine()
     loop = AsyncEngine(engine).start()
     assert "_launch" in vars(engine)  # timed
     loop.stop()
@@ -1154,7 +1160,6 @@ def test_a_stopped_loop_lets_its_engine_go_and_may_be_stopped_again():
 def test_a_step_wakes_each_event_loop_once():
     """Each call_soon_threadsafe wakes the event loop's thread, which then competes with the engine loop for the
     interpreter lock: a step's outputs go to each loop in one call, whatever the number of requests."""
-    from eightbit import EngineConfig, LLMEngine
     from eightbit.engine.outputs import RequestOutput
     from eightbit.engine.server.async_engine import AsyncEngine, Sink
 
@@ -1173,8 +1178,7 @@ def test_a_step_wakes_each_event_loop_once():
     class Queue(list):
         put_nowait = list.append
 
-    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    engine = tiny_engine()
     looper = AsyncEngine(engine)  # not started: _deliver is called by hand
     a, b, gone = Loop(), Loop(), Loop(closed=True)
     sinks = {"r0": Sink(a, Queue()), "r1": Sink(a, Queue()), "r2": Sink(a, Queue()), "r3": Sink(b, Queue()),
@@ -1199,7 +1203,6 @@ def test_a_step_wakes_each_event_loop_once():
 def test_a_non_streamed_request_is_delivered_at_its_first_token_and_its_end():
     """A streamed request hears of every step; a non-streamed one only of its first token (the queue count and the
     TTFT metric need it) and its final output: the other deliveries would only wake the event loop."""
-    from eightbit import EngineConfig, LLMEngine
     from eightbit.engine.server.async_engine import AsyncEngine, Sink
 
     class Loop:
@@ -1214,8 +1217,7 @@ def test_a_non_streamed_request_is_delivered_at_its_first_token_and_its_end():
     class Queue(list):
         put_nowait = list.append
 
-    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    engine = tiny_engine()
     looper = AsyncEngine(engine)  # not started: commands and steps driven by hand
     streamed, answered = Sink(Loop(), Queue()), Sink(Loop(), Queue())
     params = SamplingParams(max_tokens=7, ignore_eos=True, temperature=0)
@@ -1340,12 +1342,6 @@ CAPITAL_PROMPT = "The capital of France is"
 COLOUR = [{"role": "user", "content": "Name a colour and say why you like it."}]
 
 
-def _events(server, path, body):
-    with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-
-
 def test_a_stop_token_id_is_the_stop_reason(server, offline):
     # vLLM: stop_reason is the stop string or the stop token id that ended the choice (int), None for EOS/length
     free = offline.generate([CAPITAL_PROMPT], greedy(16), use_tqdm=False)[0].outputs[0]
@@ -1355,7 +1351,7 @@ def test_a_stop_token_id_is_the_stop_reason(server, offline):
     body = {"model": MODEL, "prompt": CAPITAL_PROMPT, "max_tokens": 16, "temperature": 0, "stop_token_ids": [tid]}
     choice = post(server, "/v1/completions", body).json()["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (ref.text, "stop", tid)
-    last = [c for e in _events(server, "/v1/completions", {**body, "stream": True}) for c in e["choices"]
+    last = [c for e in stream_events(server, "/v1/completions", {**body, "stream": True}) for c in e["choices"]
             if c["finish_reason"]]
     assert len(last) == 1 and last[0]["stop_reason"] == tid
 
@@ -1372,7 +1368,7 @@ def test_a_chat_stream_with_n_opens_and_counts_every_choice(server):
         if lengths[0] < lengths[1]:
             break
     assert lengths[0] < lengths[1], lengths
-    events = _events(server, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = stream_events(server, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     opened = {}
     for e in events:
         for c in e["choices"]:
@@ -1454,7 +1450,7 @@ def test_an_empty_stream_options_asks_for_no_usage(server):
     # include_usage defaults to false: `stream_options: {}` (sent by some clients always) adds no usage chunk
     for path, body in (("/v1/completions", {"prompt": "Hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-        events = _events(server, path, {"model": MODEL, "max_tokens": 2, "stream": True, "stream_options": {}, **body})
+        events = stream_events(server, path, {"model": MODEL, "max_tokens": 2, "stream": True, "stream_options": {}, **body})
         assert events and all("usage" not in e for e in events) and all(e["choices"] for e in events), path
 
 
@@ -1463,7 +1459,7 @@ def test_a_chat_stream_s_last_chunk_has_an_empty_delta(server, offline):
     messages = [{"role": "user", "content": "Say hi."}]
     ref = offline.chat(messages, greedy(64), use_tqdm=False)[0].outputs[0]
     assert ref.finish_reason == "stop"  # ended by EOS: the last step adds no text
-    events = _events(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 64,
+    events = stream_events(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 64,
                                                        "temperature": 0, "stream": True})
     assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == ref.text
     last = [c for e in events for c in e["choices"] if c["finish_reason"]]
@@ -1497,11 +1493,10 @@ def test_a_failed_step_fails_what_is_in_flight_and_the_loop_serves_on():
     # answers 500) instead of leaving it to run on unreported; the loop keeps serving
     import asyncio
 
-    from eightbit import EngineConfig, LLMEngine, SamplingParams
+    from eightbit import SamplingParams
     from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Sink
 
-    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    engine = tiny_engine()
     real_step, calls = engine.step, []
 
     def step():
@@ -1546,12 +1541,10 @@ def test_a_request_with_n_samples_is_one_running_request_of_n_sequences(server):
 
 def test_an_unhandled_error_under_allow_all_origins_names_any_origin():
     # with allowed origins "*", CORSMiddleware answers every origin with "*"; the 500 made outside it must too
-    from eightbit import EngineConfig, LLMEngine
     from eightbit.engine.server import api
     from eightbit.engine.server.cli import BackgroundServer
 
-    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    engine = tiny_engine()
     srv = BackgroundServer(engine, allowed_origins=("*",)).start()
     real = api._check_limits
     try:
@@ -1570,11 +1563,10 @@ def test_stopping_the_loop_fails_what_is_in_flight():
     # EngineLoopError's contract: a request in flight when the loop ends hears of it instead of waiting for ever
     import asyncio
 
-    from eightbit import EngineConfig, LLMEngine, SamplingParams
+    from eightbit import SamplingParams
     from eightbit.engine.server.async_engine import AsyncEngine, EngineLoopError, Sink
 
-    engine = LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                    kv_cache_memory_gb=0.01, max_model_len=256))
+    engine = tiny_engine()
     looper = AsyncEngine(engine, idle_poll_s=0.05).start()
 
     async def main():
@@ -1615,7 +1607,7 @@ def test_a_streamed_prompt_list_with_n_keeps_its_choices_apart(server, offline):
     lengths = [len(r.outputs[0].token_ids) for r in ref]
     assert 2 == lengths[0] < lengths[1]
     body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 8, "temperature": 0, "stop_token_ids": [tid]}
-    events = _events(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = stream_events(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     joined = {}
     for e in events:
         for c in e["choices"]:
