@@ -241,3 +241,90 @@ def test_k_and_v_scales_of_different_float_dtypes_are_refused():
     for fn in (R.kv_write, kmod.kv_write):
         with pytest.raises(ValueError, match="scales must share one float dtype"):
             fn(torch.randn(3, 2, 16), torch.randn(3, 2, 16), kc, vc, ks, vs, torch.arange(3))
+
+
+# --- review s62: the metadata checks' bounds by hand, and kv_dequant on a block-table view -----------------------
+
+
+def test_metadata_checks_accept_their_edge_values_and_refuse_one_past_them():
+    """Each check's range by hand: the last valid value passes, the first invalid one on either side is named."""
+    M = metadata_checks
+    i32 = dict(dtype=torch.int32)
+    tables = torch.tensor([[0, 1], [2, 3]], **i32)  # 2 columns of 4 keys: seq_lens 0..8; blocks 0..3
+    M.check_tables(tables, torch.tensor([8, 0], **i32), 4, 4, "t")  # a full table, an empty sequence
+    for lens, bad in (([9, 0], "seq_lens[0] = 9 is outside 0..8"), ([3, -1], "seq_lens[1] = -1 is outside 0..8")):
+        with pytest.raises(ValueError, match=f"t: {bad}".replace("[", r"\[").replace("]", r"\]")):
+            M.check_tables(tables, torch.tensor(lens, **i32), 4, 4, "t")
+    for block, seq_len in ((4, 5), (-1, 5), (-2, 8)):  # 5 keys use column 1's block (a partial one), as 8 do
+        table = torch.tensor([[0, block], [2, 3]], **i32)
+        with pytest.raises(ValueError, match=rf"t: block_tables\[0, 1\] = {block} is not a block of the cache \(0..3\)"):
+            M.check_tables(table, torch.tensor([seq_len, 8], **i32), 4, 4, "t")
+        M.check_tables(table, torch.tensor([4, 8], **i32), 4, 4, "t")  # 4 keys: column 1 unused, anything there
+    # queries: offsets from 0, never falling, ending at most at q's rows; a sequence may have as many queries as keys
+    M.check_queries(torch.tensor([0, 3, 5], **i32), torch.tensor([3, 2], **i32), 5, "p")  # whole prompts
+    M.check_queries(torch.tensor([0, 0, 5], **i32), torch.tensor([0, 9], **i32), 6, "p")
+    for cu, rows in (([1, 3, 5], 5), ([0, 3, 2], 5), ([0, 3, 6], 5), ([-1, 3, 5], 5)):
+        with pytest.raises(ValueError, match=rf"p: cu_seqlens_q must rise from 0 to at most {rows} \(q's rows\)"):
+            M.check_queries(torch.tensor(cu, **i32), torch.tensor([9, 9], **i32), rows, "p")
+    with pytest.raises(ValueError, match="p: sequence 1 has 2 queries but seq_len 1"):
+        M.check_queries(torch.tensor([0, 3, 5], **i32), torch.tensor([3, 1], **i32), 5, "p")
+    # slots: -1 (padding) .. num_slots - 1
+    M.check_slots(torch.tensor([-1, 0, 23]), 24, "w")
+    for slot in (-2, 24):
+        with pytest.raises(ValueError, match=rf"w: slot_mapping\[1\] = {slot} is outside -1..23"):
+            M.check_slots(torch.tensor([0, slot, 3]), 24, "w")
+    M.check_positions(torch.tensor([0, 7]), 8, "r")
+    for pos in (-1, 8):
+        with pytest.raises(ValueError, match=rf"r: positions\[1\] = {pos} is outside the rotary cache's 0..7"):
+            M.check_positions(torch.tensor([0, pos]), 8, "r")
+
+
+def test_metadata_checks_name_the_first_bad_entry():
+    M = metadata_checks
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 30"):
+        M.check_slots(torch.tensor([0, 30, -5, 40]), 24, "w")
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 20"):
+        M.check_tables(torch.zeros(3, 2, dtype=torch.int32), torch.tensor([1, 20, -3]), 4, 4, "t")
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 9 "):
+        M.check_tables(torch.tensor([[0, 9], [7, 8]]), torch.tensor([8, 8]), 4, 4, "t")
+
+
+def test_whole_prompt_prefills_pass_the_metadata_checks_on_both_backends(monkeypatch):
+    """The usual prefill, as many queries as keys in every sequence and a table filled to its last key, is in
+    range: with the checks on both backends run it and agree."""
+    monkeypatch.setattr(metadata_checks, "ENABLED", True)
+    gen = torch.Generator().manual_seed(1)
+    cache = {k: torch.randint(-127, 128, v.shape, dtype=torch.int8, generator=gen) if v.dtype == torch.int8
+             else torch.rand(v.shape, generator=gen).half() for k, v in int8_cache().items()}
+    args = prefill_args(**cache, q=torch.randn(13, 4, 16, generator=gen),
+                        cu_seqlens_q=torch.tensor([0, 5, 13], dtype=torch.int32))  # seq_lens 5 and 8: full prompts
+    want = R.prefill_attention(**args)
+    torch.testing.assert_close(pmod.prefill_attention(**args), want, rtol=1e-4, atol=1e-4)
+    assert want.isfinite().all()
+
+
+def test_dequantize_blocks_reads_a_view_of_a_wider_block_table():
+    """A mixed step passes the prefill sequences' rows and first columns of the engine's table
+    (engine/context.py: block_tables[nd:, :prefill_width]), a view whose rows are further apart than its width.
+    Each live block of the copy is k * scale (v too) of the block the view names, by hand in float64."""
+    from eightbit.kernels.kv_dequant import dequantize_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    nb, page, hkv, d, group = 10, 4, 2, 16, 8
+    kc = torch.randint(-127, 128, (nb, page, hkv, d), dtype=torch.int8, generator=gen)
+    vc = torch.randint(-127, 128, R.v_cache_shape(nb, page, hkv, d, torch.int8), dtype=torch.int8, generator=gen)
+    ks = torch.rand(nb, page, hkv, d // group, generator=gen).half()
+    vs = torch.rand(nb, page, hkv, d // group, generator=gen).half()
+    full = torch.tensor([[9, 9, 9, 9, 9], [4, 7, 1, 0, 0], [2, 5, 8, 3, 6], [6, 3, 0, 0, 0]], dtype=torch.int32)
+    table, lens = full[1:, :3], torch.tensor([9, 12, 5], dtype=torch.int32)  # 3, 3 and 2 blocks of 4
+    assert not table.is_contiguous() and table.stride(0) == 5
+    k, v, out_table = dequantize_blocks(kc, vc, ks, vs, table, lens, torch.float32)
+    assert torch.equal(out_table, torch.arange(9, dtype=torch.int32).view(3, 3))
+    v_tok = vc.permute(0, 3, 1, 2)  # the int8 V cache is key-minor: [blocks, Hkv, D, page]
+    for b in range(3):
+        for j in range(-(-int(lens[b]) // page)):
+            blk = int(table[b, j])
+            want_k = kc[blk].double() * ks[blk].double().repeat_interleave(group, dim=-1)
+            want_v = v_tok[blk].double() * vs[blk].double().repeat_interleave(group, dim=-1)
+            assert torch.equal(k[b * 3 + j].double(), want_k), (b, j)
+            assert torch.equal(v[b * 3 + j].double(), want_v), (b, j)
