@@ -90,8 +90,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"eightbit {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
-        note = getattr(args, "interrupt_note", None)  # a string, or a function of the args
+    except KeyboardInterrupt as e:  # Ctrl-C: a line, not a traceback, and the shell's code for SIGINT
+        # the interrupt's own note (quant.writer.InterruptedAfterMove), else the command's: a string or a function
+        note = getattr(e, "note", None) or getattr(args, "interrupt_note", None)
         if callable(note):
             note = note(args)
         print(f"\neightbit {args.command}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr)

@@ -215,6 +215,7 @@ def run_quantize(args) -> int:
     except QuantizeError as e:
         print(f"eightbit quantize: error: {e}", file=sys.stderr)
         return 2
+    args.interrupt_note = f"{out} holds the new checkpoint, complete"  # a Ctrl-C during the report
     _report(out, summary)
     return 0
 

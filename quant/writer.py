@@ -4,7 +4,8 @@
 block finishes is it given the umask's permissions and renamed to `out` (replacing an old `out`
 if overwrite, which must be empty or an eightbit checkpoint: see `check_output_path`). Any
 exception in the block, KeyboardInterrupt, SIGTERM and SIGHUP included, removes the temp dir, so a
-failed run leaves nothing behind. A finished checkpoint that cannot be moved to `out` (something
+failed run leaves nothing behind; a Ctrl-C while the finished checkpoint moves to `out` takes effect once it is
+there (`InterruptedAfterMove` says so). A finished checkpoint that cannot be moved to `out` (something
 appeared there meanwhile, or the rename failed) stays in the temp dir, and the error names it.
 `ShardWriter` writes tensors in the order given, flushing a shard when it would pass the size
 limit, and names them as transformers does (model.safetensors, or model-0000k-of-0000n with
@@ -153,7 +154,22 @@ def atomic_output_dir(out, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _move_into_place(tmp, out, overwrite)
+    try:
+        _move_into_place(tmp, out, overwrite)
+    except KeyboardInterrupt:
+        if tmp.exists():  # not moved: out is as it was, and nothing is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        raise InterruptedAfterMove(out) from None
+
+
+class InterruptedAfterMove(KeyboardInterrupt):
+    """A Ctrl-C that took effect once the finished checkpoint was at out (held back during the swap, or landing just
+    after the rename): out holds the new checkpoint, complete. `note` says so, for the command's message."""
+
+    def __init__(self, out: Path):
+        super().__init__(str(out))
+        self.note = f"{out} holds the new checkpoint, complete (the interrupt came as it was moved there)"
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:

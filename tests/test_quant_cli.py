@@ -2,6 +2,9 @@
 
 import argparse
 import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +226,167 @@ def test_the_layer_bar_shows_a_layers_alphas_beside_its_own_count(tmp_path, caps
     draws = [d for d in re.split(r"[\r\n]", capsys.readouterr().err) if d.startswith("quantize layers")]
     assert draws and "2/2" in draws[-1] and "qkv=0.5" in draws[-1], draws
     assert not [d for d in draws if "0/2" in d and "qkv=" in d], draws
+
+
+# --- review s62: mutation gaps of quant/cli.py --------------------------------------------------------------------
+
+
+def test_the_python_api_needs_an_output_directory(tmp_path, no_model_loading):
+    with pytest.raises(cli.QuantizeError, match="no output directory given"):
+        cli.quantize(None, None)
+    with pytest.raises(cli.QuantizeError, match="no output directory given"):
+        cli.quantize(calib_data=str(tmp_path / "none"))  # out defaults to None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value, want", [
+    ("auto", "auto"), (None, None), ("none", None), ("None", None), ("off", None), ("OFF", None),
+    ("0", 0.0), (0, 0.0), ("1", 1.0), (1.0, 1.0), ("0.25", 0.25),
+])
+def test_alpha_words_and_the_ends_of_its_range(value, want):
+    """'none' and 'off' (any case) mean no smoothing; 0 and 1 are alphas in [0, 1] like any other."""
+    got = cli._parse_alpha(value)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("value", ["1.0001", "-1e-9", "nan", "inf", "auto!"])
+def test_alphas_outside_0_1_are_refused(value):
+    with pytest.raises(cli.QuantizeError, match="alpha must"):
+        cli._parse_alpha(value)
+
+
+def test_a_window_as_long_as_the_context_is_taken_and_one_token_more_is_refused(tmp_path):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    context = json.loads((src / "config.json").read_text())["max_position_embeddings"]
+    assert cli._check_sizes(src, 4, context, 32) == context
+    with pytest.raises(cli.QuantizeError, match=f"--seq-len {context + 1} is longer than the model's context of "
+                                                f"{context} tokens"):
+        cli._check_sizes(src, 4, context + 1, 32)
+
+
+def test_an_odd_group_size_with_a_missing_source_says_the_source_is_missing(tmp_path, capsys):
+    """Without a config to read head_dim from, the group size is checked once the source opens: the error is the
+    source's, not a traceback from reading head_dim off no config."""
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(20))
+    argv = [str(tmp_path / "missing"), str(tmp_path / "q"), "--kv-group-size", "24", "--calib-data", str(calib)]
+    assert cli.run_quantize(parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eightbit quantize: error: ") and "no such model path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
+@pytest.mark.parametrize("name", ["Llama.GGUF", "model.SafeTensors", "pytorch_model.bin", "consolidated.pt",
+                                  "weights.pth", "WEIGHTS.PTH"])
+def test_one_path_named_like_any_model_file_is_refused_as_out(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.setattr(cli, "quantize", lambda *a, **k: pytest.fail("quantize ran"))
+    assert cli.run_quantize(parse([str(tmp_path / name)])) == 2
+    assert f"{tmp_path / name} is named like a model file, but one path is OUT" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_device_option_reaches_the_run(tmp_path, capsys, no_model_loading):
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    argv = [str(src), str(tmp_path / "q"), "--device", "gpu0", "--calib-data", str(tmp_path / "none")]
+    assert cli.run_quantize(parse(argv)) == 2
+    assert "eightbit quantize: error: --device: device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu0'" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_quiet_run_reports_the_errors_the_checkpoint_records(tmp_path, capsys):
+    """--no-progress: no bar and no note (every window asked for was found); stdout names OUT and gives each
+    smoothing point's error unsmoothed -> smoothed, as config.json records them."""
+    import re
+
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=2)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
+            "--no-progress"]
+    capsys.readouterr()  # make_tiny_checkpoint's own bar
+    assert cli.run_quantize(parse(argv)) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # no bar (layers, tokenizing) and no "fewer windows" note
+    summary = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["eightbit"][
+        "calibration"]
+    assert summary["data"]["num_samples"] == 2
+    lines = out.splitlines()
+    assert lines[0] == f"wrote {tmp_path / 'q'}"
+    head, _, body = lines[1].partition(": ")
+    assert head == "mean W8A8 relative error per smoothing point (unsmoothed -> smoothed)"
+    shown = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"(\w+) (\S+) -> (\S+?)(?:,|$)", body)}
+    assert set(shown) == set(summary["mean_error"]) and len(shown) >= 2
+    for point, (before, after) in shown.items():
+        assert before == pytest.approx(summary["mean_error_unsmoothed"][point], rel=6e-3)
+        assert after == pytest.approx(summary["mean_error"][point], rel=6e-3)
+    assert any(b != pytest.approx(a, rel=2e-2) for b, a in shown.values())  # the two columns can be told apart
+
+
+def test_python_m_quant_cli_is_the_quantize_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "quantize", lambda *a, **k: pytest.fail("quantize ran"))
+    assert cli.main([str(tmp_path / "x.gguf")]) == 2
+    assert capsys.readouterr().err.startswith(f"eightbit quantize: error: {tmp_path / 'x.gguf'} is named like a model")
+    monkeypatch.setattr("sys.argv", ["eightbit.quant.cli", str(tmp_path / "y.safetensors")])
+    assert cli.main() == 2 and "y.safetensors is named like a model file" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_replacing_an_output_says_out_is_untouched(tmp_path, capsys, monkeypatch):
+    """Interrupted while the new checkpoint is written (here: its tokenizer), `eightbit quantize --overwrite` keeps
+    the earlier output byte for byte, and says so on one line, exit 130."""
+    from transformers import PreTrainedTokenizerBase
+
+    from eightbit.cli import main
+
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    argv = ["quantize", str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2",
+            "--seq-len", "32", "--no-progress"]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "q").iterdir()}
+    capsys.readouterr()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", interrupted)
+    assert main(argv + ["--overwrite", "--alpha", "0.5"]) == 130
+    assert capsys.readouterr().err == ("\neightbit quantize: interrupted; OUT is as it was before the run "
+                                       "(written atomically)\n")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "q").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "q", "src"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_ctrl_c_as_the_new_output_moves_in_says_out_holds_it(tmp_path, capsys, monkeypatch, overwrite):
+    """A Ctrl-C that lands as the finished checkpoint moves to OUT (held back during a swap, or just after a rename):
+    OUT holds the new checkpoint, and the message says that, not that OUT is as it was. Nothing is left beside it."""
+    from eightbit.cli import main
+    from eightbit.quant import writer
+    from eightbit.quant.checkpoint_format import read_calibration_summary
+
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    out = tmp_path / "q"
+    argv = ["quantize", str(src), str(out), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
+            "--no-progress"]
+    if overwrite:
+        assert main(argv + ["--alpha", "0.25"]) == 0
+    rename = os.rename
+
+    def interrupted_rename(a, b):  # OUT's first rename: the old one moved aside, or the new one moved in
+        rename(a, b)
+        if out in (Path(a), Path(b)):
+            monkeypatch.setattr(writer.os, "rename", rename)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(writer.os, "rename", interrupted_rename)
+    capsys.readouterr()
+    assert main(argv + ["--alpha", "0.75", "--overwrite"]) == 130
+    err = capsys.readouterr().err
+    assert err == f"\neightbit quantize: interrupted; {out} holds the new checkpoint, complete (the interrupt came as it " \
+                  "was moved there)\n"
+    assert read_calibration_summary(json.loads((out / "config.json").read_text()))["alpha"] == 0.75
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "q", "src"]
