@@ -225,3 +225,124 @@ def test_property_stop_strings_after_min_tokens(tok, text, stops, data):
         want = full if first is None else full[:first[0] + (len(first[1]) if include_stop else 0)]
         assert "".join(deltas) == det.text == want, (m, boundary)
         assert det.stopped == (first is not None)
+
+
+# --- s62 mutation review: killing tests ----------------------------------------------------------------------------
+
+
+class CleansUpWhenAsked:
+    """The SmolLM2 tokenizer, but its decode honours clean_up_tokenization_spaces as transformers 4.x's did for
+    tokenizers whose config asks for it (5.x ignores it for BPE; pyproject allows transformers >= 4.56)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids, clean_up_tokenization_spaces=True, **kw):
+        text = self.tok.decode(ids, clean_up_tokenization_spaces=False, **kw)
+        return self.tok.clean_up_tokenization(text) if clean_up_tokenization_spaces else text
+
+
+def test_the_text_is_the_tokens_text_not_cleaned_up(tok):
+    """Generated text comes out as the model wrote it: " ," or " n't" are not rewritten (the cleanup is for
+    WordPiece and corrupts BPE text), token by token and with a stop string alike."""
+    text = "a , b . c ! d ? It isn 't so 's"
+    ids = enc(tok, text)
+    assert tok.decode(ids) == text  # the round trip the reference rests on
+    assert CleansUpWhenAsked(tok).decode(ids) != text  # ... and a cleanup would change it
+    det = IncrementalDetokenizer(CleansUpWhenAsked(tok), enc(tok, "Q:"))
+    assert "".join(stream(det, ids)) == det.text == text
+    det = IncrementalDetokenizer(CleansUpWhenAsked(tok), enc(tok, "Q:"), stop=["?"])
+    assert "".join(stream(det, ids)) == det.text == text[:text.index("?")] and det.stopped
+
+
+def test_one_stop_string_given_as_a_str_and_empty_ones_ignored(tok):
+    """stop="ab" is the one stop string "ab", not the letters a and b; an empty stop string matches nothing (it
+    would stop at once)."""
+    text = "xa b ab yy"
+    for stop in ("ab", ["", "ab"], ["ab", ""]):
+        det, _ = run(tok, text, stop)
+        assert det.text == text[:text.index("ab")] and det.stopped and det.stop_string == "ab", stop
+    det, _ = run(tok, text, [""])
+    assert det.text == text and not det.stopped
+
+
+class SentencePieceWithControlTokens(SentencePieceLike):
+    """SentencePieceLike plus control tokens (Mistral v3's [INST] / [/INST]): skipped from the text when asked, before
+    the leading space of the first piece is dropped, as HF's sentencepiece decoders do."""
+    pieces = SentencePieceLike.pieces + ["[INST]", "[/INST]"]
+    special = {4, 5}
+
+    def decode(self, ids, skip_special_tokens=False, **kw):
+        return super().decode([i for i in ids if not (skip_special_tokens and i in self.special)], **kw)
+
+
+def test_control_tokens_ending_the_prompt_do_not_eat_the_first_space():
+    """A chat prompt ends in a control token, which decodes to nothing; the reply's text must be the same as after
+    the plain prompt: the left context reaches back past it to a piece of text."""
+    sp = SentencePieceWithControlTokens()
+    plain = stream(IncrementalDetokenizer(sp, [0]), [1, 2, 3])
+    assert plain == [" world", "!", " again", ""]
+    for prompt in ([4, 0, 5], [0, 5], [4, 0, 5, 4, 5]):
+        assert stream(IncrementalDetokenizer(sp, prompt), [1, 2, 3]) == plain, prompt
+
+
+def test_a_skipped_token_inside_the_output_keeps_the_left_context():
+    """A token that adds no text (a control token skipped from the text) must not become the whole left context:
+    the next piece's leading space would be dropped as at the start of a text."""
+    sp = SentencePieceWithControlTokens()
+    want = stream(IncrementalDetokenizer(sp, [0]), [1, 3])
+    assert want == [" world", " again", ""]
+    got = stream(IncrementalDetokenizer(sp, [0]), [1, 4, 3])
+    assert "".join(got) == "".join(want) and [d for d in got if d] == [d for d in want if d]
+    got = stream(IncrementalDetokenizer(sp, [0]), [1, 4, 5, 3], chunk=2)  # two at once: [1, 4], then [5, 3]
+    assert "".join(got) == "".join(want)
+
+
+class OneCharATokenizer:
+    """Token id = a character's code point: the token boundaries are where the test puts them."""
+
+    def decode(self, ids, **kw):
+        return "".join(map(chr, ids))
+
+
+def check_min_tokens_one_character_a_token(text, stops, m):
+    """vLLM's min_tokens rule (test_property_stop_strings_after_min_tokens) with one token a character, so that held
+    text from the first m tokens meets the first tokens that are looked at; the reference is first_stop on the text."""
+    first = first_stop(text, stops, after=m)
+    for include_stop in (False, True):
+        det = IncrementalDetokenizer(OneCharATokenizer(), [], stop=stops, include_stop=include_stop)
+        deltas = [det.add_tokens([ord(c)], check_stop=k + 1 > m) for k, c in enumerate(text)]
+        deltas.append(det.finish(check_stop=len(text) > m))
+        want = text if first is None else text[:first[0] + (len(first[1]) if include_stop else 0)]
+        assert "".join(deltas) == det.text == want and det.stopped == (first is not None), include_stop
+
+
+@pytest.mark.parametrize("text, stops, m", [
+    ("ab", ["a", "abcd"], 1),    # 'a' ends in the min_tokens text: it does not count, though held as 'abcd''s start
+    ("bc", ["b", "bcb"], 1),
+    ("aca", ["a", "abcd"], 1),   # the second 'a' ends past it: it counts
+    ("acb", ["ab", "b"], 1),
+    ("aa", ["a", "abcd"], 1),    # the first 'a' does not count, the second does
+    ("xaab", ["ab", "aabz"], 2),  # 'ab' starts in the min_tokens text and ends past it: it counts
+])
+def test_stop_strings_after_min_tokens_one_character_a_token(text, stops, m):
+    check_min_tokens_one_character_a_token(text, stops, m)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(text=st.text("ab", max_size=8), stops=st.lists(st.text("ab", min_size=1, max_size=4), min_size=1, max_size=3),
+       data=st.data())
+def test_property_stop_strings_after_min_tokens_one_character_a_token(text, stops, data):
+    """The property above drew its texts through SmolLM2's BPE, which merges these letters into longer tokens, so
+    the cases where the boundary falls inside a held stop string's start were rare (three wrong bookkeepings of the
+    boundary passed its 300 examples)."""
+    check_min_tokens_one_character_a_token(text, stops, data.draw(st.integers(0, len(text))))
+
+
+def test_a_stop_string_complete_within_min_tokens_is_not_held():
+    """'a' ends inside the min_tokens text, so it can never count, and it starts no other stop string: it is
+    released with its token, not held to the end."""
+    det = IncrementalDetokenizer(OneCharATokenizer(), [], stop=["a", "bc"])
+    assert det.add_tokens([ord("a")], check_stop=False) == "a"
+    assert det.add_tokens([ord("b")]) == ""  # 'b' may start 'bc'
+    assert det.add_tokens([ord("x")]) == "bx" and det.finish() == "" and not det.stopped

@@ -860,3 +860,178 @@ def test_a_frozen_start_up_heap_skips_later_collections_and_a_dropped_llm_is_sti
         assert [r() for r in held] == [None] * len(held)
     finally:
         gc.unfreeze()  # the rest of this test process collects as before
+
+
+# --- s62 mutation review: killing tests for the LLM API, EngineConfig and outputs ---------------------------------
+
+
+def test_generate_shows_a_progress_bar_only_when_asked(llm, capsys):
+    """use_tqdm=False writes nothing; use_tqdm=True counts the finished requests up to the number of prompts."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    llm.generate(PROMPTS[:3], params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "generating" in err and f"{len(PROMPTS[:3])}/{len(PROMPTS[:3])}" in err
+
+
+def test_a_bool_in_a_list_of_priorities_is_refused_by_its_index(llm):
+    """A bool is no int here, in a list as on its own (True would run as priority 1)."""
+    with pytest.raises(TypeError, match=r"priorities\[1\] must be int, got bool"):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0, True])
+    _assert_idle(llm.engine)
+
+
+def test_a_list_of_bools_is_a_list_of_bad_prompts_not_a_prompt_of_ids(llm):
+    """_is_number: a bool is no token id, so [True, False] is two prompts, the first of them named as a bool."""
+    with pytest.raises(TypeError, match=r"^prompts\[0\]: a prompt must be a str.* got bool"):
+        llm.generate([True, False], SamplingParams(max_tokens=1), use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
+def test_a_list_of_zero_d_arrays_is_one_prompt_of_ids(llm):
+    """Iterating an array gives 0-d arrays: integers of any width (numpy, torch int and uint) are token ids, as the
+    same Python ints; floats make one prompt of float ids, which the engine names, as for Python floats."""
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=3)
+    ids = [17, 42, 200]  # each fits a uint8
+    want = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ([np.array(i) for i in ids], list(torch.tensor(ids, dtype=torch.uint8)),
+                   list(torch.tensor(ids, dtype=torch.int32))):
+        [out] = llm.generate(prompt, params, use_tqdm=False)
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    for floats in ([np.array(1.0), np.array(2.0)], list(torch.tensor([1.0, 2.0]))):
+        with pytest.raises(ValueError, match=r"^prompt token ids must be integers in the vocabulary"):
+            llm.generate(floats, params, use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
+def test_chat_takes_a_list_of_conversations(llm):
+    """One output per conversation, in order, each as that conversation alone gives it; the prompt is the
+    tokenizer's own chat template applied to it."""
+    convs = [[{"role": "user", "content": "Say hi."}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    batch = llm.chat(convs, params, use_tqdm=False)
+    alone = [llm.chat(c, params, use_tqdm=False)[0] for c in convs]
+    assert len(batch) == len(convs)
+    assert [(o.prompt, o.outputs[0].token_ids) for o in batch] == [(o.prompt, o.outputs[0].token_ids) for o in alone]
+    tok = llm.get_tokenizer()
+    assert [o.prompt for o in batch] == [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                                         for c in convs]
+
+
+def test_chat_on_a_model_without_a_tokenizer_is_a_clear_error():
+    from eightbit import LLM
+
+    llm = LLM("llama-tiny", load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+              max_model_len=256)
+    assert llm.get_tokenizer() is None
+    with pytest.raises(ValueError, match="chat needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
+def test_generate_skips_every_request_id_already_taken(llm):
+    """Several ids in a row may be taken by requests added straight to the engine: generate skips them all."""
+    engine = llm.engine
+    first = next(llm._ids) + 1  # the id generate's first prompt would get
+    taken = [str(first), str(first + 1)]
+    for request_id in taken:
+        engine.add_request(request_id, "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert not set(taken) & {o.request_id for o in outs} and all(len(o.outputs[0].token_ids) == 2 for o in outs)
+    assert set(taken) <= set(engine.requests)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(engine)
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    ("", ValueError, "prompt is empty"),
+    ("x" * 50000, ValueError, r"prompt of \d+ tokens leaves no room"),
+    ([b"hello"], TypeError, "a prompt must be a str"),  # a list of one non-number: a list of one prompt
+])
+def test_the_error_of_a_single_prompt_names_no_index(llm, prompt, error, message):
+    """prompts[i] is said only where there are several prompts to tell apart."""
+    with pytest.raises(error, match=f"^{message}"):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    _assert_idle(llm.engine)
+
+
+def test_finished_calls_leave_no_output_queues_behind(llm):
+    """Each request's route to its call's queue goes when the call ends (finished, or a stream closed early):
+    a process that runs many calls must not keep one entry per request it ever ran."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert llm._inboxes == {}
+    list(llm.stream(PROMPTS[:2], params))
+    assert llm._inboxes == {}
+    stream = llm.stream(PROMPTS[:2], params)
+    next(stream)
+    stream.close()  # dropped early: its requests are aborted, and their routes go too
+    assert llm._inboxes == {}
+    _assert_idle(llm.engine)
+
+
+def test_engine_config_bounds_are_inclusive_where_documented():
+    """seed in [0, 2**63) and gpu_memory_utilization in (0, 1]: each end on both sides of its bound."""
+    from eightbit.engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu", seed=2**63 - 1).seed == 2**63 - 1
+    assert EngineConfig(device="cpu", seed=0).seed == 0
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\)"):
+        EngineConfig(device="cpu", seed=2**63)
+    assert EngineConfig(device="cpu", gpu_memory_utilization=1).gpu_memory_utilization == 1
+    assert EngineConfig(device="cpu", gpu_memory_utilization=1e-3).gpu_memory_utilization == 1e-3
+    for bad in (0, 0.0, -0.5, 1 + 1e-9):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+            EngineConfig(device="cpu", gpu_memory_utilization=bad)
+
+
+def test_engine_config_takes_every_dtype_alias():
+    from eightbit.engine.config import DTYPE_ALIASES, DTYPES, EngineConfig
+
+    for alias, name in (("fp16", "float16"), ("fp32", "float32"), ("bf16", "bfloat16"), ("half", "float16"),
+                        ("float", "float32")):
+        config = EngineConfig(device="cpu", dtype=alias)
+        assert config.dtype == name and config.torch_dtype == getattr(torch, name)
+    assert set(DTYPE_ALIASES.values()) <= set(DTYPES)
+
+
+@pytest.mark.parametrize("device", ["meta", "mps", 1.5, "cuda:x"])
+def test_a_device_that_is_not_cpu_or_cuda_is_named_as_such(device):
+    """Not "no CUDA GPU" (a torch device of another type) nor torch's own TypeError (not a device name at all)."""
+    from eightbit.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:N'"):
+        EngineConfig(device=device)
+
+
+def test_a_gpu_index_past_the_machine_s_gpus_is_named_as_such(monkeypatch):
+    """cuda:2 on a machine of two GPUs: "has 2 GPU(s)", not advice to select a GPU it does not have. (Simulated.)"""
+    from eightbit.engine.config import checked_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    for index in (2, 3):
+        with pytest.raises(ValueError, match=rf"'cuda:{index}' asked for, but this machine has 2 GPU\(s\)"):
+            checked_device(f"cuda:{index}")
+
+
+def test_the_outputs_of_samples_that_never_forked_are_like_the_one_that_did(make_llm):
+    """A request of n samples aborted during its prompt reports n outputs; the n - 1 that were never forked carry
+    what the aborted first one carries (no text, no delta, no stop reason), only their index differs."""
+    import dataclasses
+
+    engine = make_llm(max_num_batched_tokens=16).engine
+    engine.add_request("a", list(range(1, 60)), SamplingParams(n=3, max_tokens=5))
+    engine.step()
+    engine.abort("a")
+    [out] = engine.step()
+    first = out.outputs[0]
+    assert first.finish_reason == "abort" and first.stop_reason is None and first.delta == "" == first.text
+    assert [dataclasses.replace(c, index=0) for c in out.outputs[1:]] == [first, first]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
