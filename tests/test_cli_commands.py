@@ -130,3 +130,112 @@ def test_eval_cli_tasks_end_to_end(tmp_path, capsys, hf_model, tokenizer):
     assert 1.0 < row["tasks"]["lambada"]["ppl"]
     assert (tmp_path / "tasks.png").is_file() and "| fp32 | engine |" in (tmp_path / "tasks.md").read_text()
     assert "arc_easy: 2 items" in capsys.readouterr().out
+
+
+# --- s62: serve's option values (mutation gaps) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--max-queue", "--tokenizer-workers", "--timeout-keep-alive",
+                                  "--timeout-graceful-shutdown"])
+def test_serve_counts_of_zero_are_refused_while_parsing(flag, capsys):
+    """A queue of 0 would refuse every request with a 503, no tokenizer worker would hang every request: refused by
+    argparse (exit 2, naming the flag), before anything loads; 1 is taken."""
+    assert getattr(build_parser().parse_args(["serve", flag, "1"]), flag[2:].replace("-", "_")) == 1
+    for value in ("0", "-3"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", flag, value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and flag in err and f"must be at least 1, got {int(value)}" in err
+    for value in ("many", "2.5"):  # argparse's message for a failed type names the type's function otherwise
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", flag, value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: must be a whole number, got '{value}'" in err, err
+
+
+def test_serve_refuses_a_load_format_it_does_not_know_while_parsing(capsys):
+    from eightbit.engine.config import LOAD_FORMATS
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--load-format", "safetensors"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--load-format" in err and "invalid choice" in err
+    assert all(repr(f) in err for f in LOAD_FORMATS)
+
+
+def test_serve_takes_every_port_up_to_65535():
+    """(A port in use here is "cannot listen", not out of range.)"""
+    from eightbit.engine.server.cli import check_address
+
+    for port in (0, 65535):
+        try:
+            check_address("127.0.0.1", port)
+        except ValueError as e:
+            assert "cannot listen" in str(e), e
+    for port in (-1, 65536):
+        with pytest.raises(ValueError, match=r"--port must be in \[0, 65535\]"):
+            check_address("127.0.0.1", port)
+
+
+def test_serve_help_gives_engine_config_s_defaults():
+    """`serve --help` for the engine options not in add_engine_args: a "(default: X)" that is a value (a number, on,
+    off, none, a word) is EngineConfig's default, so the help cannot drift from the config."""
+    import re
+
+    from eightbit.engine.server.cli import _ENGINE_HELP
+
+    words = {"on": True, "off": False, "none": None}
+    checked = 0
+    for f in dataclasses.fields(EngineConfig):
+        match = re.search(r"\(default: ([^()]*)\)$", _ENGINE_HELP.get(f.name, ""))
+        if match is None or " " in match.group(1):  # e.g. "on CUDA only", "from --gpu-memory-utilization; ..."
+            continue
+        text = match.group(1)
+        value = words[text] if text in words else type(f.default)(text)
+        assert value == f.default and type(value) is type(f.default), (f.name, text, f.default)
+        checked += 1
+    assert checked >= 8
+
+
+def test_serve_listens_on_this_machine_only_unless_told_otherwise():
+    """The server has no API keys: by default it listens on a loopback address, and only pages served from this
+    machine may call it from a browser."""
+    import ipaddress
+
+    args = build_parser().parse_args(["serve"])
+    assert ipaddress.ip_address(args.host).is_loopback
+
+
+@pytest.mark.parametrize("flags", [[], ["--served-model-name", "my-model", "--max-queue", "3", "--allowed-origins",
+                                        "https://chat.example.test"]])
+def test_serve_s_server_options_reach_the_app(flags, monkeypatch):
+    """--served-model-name (the id /v1/models lists), --max-queue and --allowed-origins reach the app that uvicorn
+    serves; by default the model's own name, no queue bound, and pages served from this machine only (CORS)."""
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from eightbit.engine.server.cli import default_model_name
+
+    seen = {}
+    preflight = {"access-control-request-method": "POST"}
+
+    def serve(server, sockets=None):  # instead of serving: ask the app
+        state = server.config.app.state.server
+        web = TestClient(server.config.app)
+        seen["models"] = [m["id"] for m in web.get("/v1/models").json()["data"]]
+        seen["max_queue"] = state.max_queue
+        seen["origins"] = {origin: web.options("/v1/completions", headers={"origin": origin, **preflight}).headers.get(
+            "access-control-allow-origin") for origin in ("http://localhost:3000", "https://chat.example.test",
+                                                          "https://evil.test")}
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
+    assert main(["serve", "--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
+                 "--kv-cache-memory-gb", "0.05", "--port", "0", "--no-engine-process", *flags]) == 0
+    if flags:
+        assert seen["models"] == ["my-model"] and seen["max_queue"] == 3
+        assert seen["origins"] == {"http://localhost:3000": None, "https://chat.example.test":
+                                   "https://chat.example.test", "https://evil.test": None}
+    else:
+        assert seen["models"] == [default_model_name("llama-tiny")] and seen["max_queue"] is None
+        assert seen["origins"] == {"http://localhost:3000": "http://localhost:3000",
+                                   "https://chat.example.test": None, "https://evil.test": None}

@@ -1624,3 +1624,251 @@ def test_prompt_token_ids_must_be_inside_the_vocabulary(server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
     resp = post(server, "/v1/completions", {"model": MODEL, "prompt": [1, v - 1], "max_tokens": 1})
     assert resp.status_code == 200, resp.text
+
+
+# --- s62: tool-call plumbing, add_generation_prompt, the engine process's start and stop (mutation gaps) ----------
+
+
+def test_tools_and_functions_sent_together_both_reach_the_template(server, offline, monkeypatch):
+    """A request may carry both `tools` and the deprecated `functions` (each with its "none"): the template gets
+    both, the functions in tools' form after the tools. Reference: HF's apply_chat_template with that tool list."""
+    from eightbit.engine.server import api
+
+    tok, seen, real = offline.get_tokenizer(), [], api.render_chat
+
+    def render(tok, messages, *args, **kwargs):
+        text, ids = real(tok, messages, *args, chat_template=TOOLS_TEMPLATE, **kwargs)
+        seen.append(text)
+        return text, ids
+
+    monkeypatch.setattr(api, "render_chat", render)
+    lookup = {"name": "lookup", "description": "look a word up", "parameters": {"type": "object", "properties": {}}}
+    messages = [{"role": "user", "content": "Hi"}]
+    want = tok.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True,
+                                   tokenize=False, tools=TOOLS + [{"type": "function", "function": lookup}])
+    assert "get_weather" in want and "lookup" in want
+    resp = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                  "tools": TOOLS, "tool_choice": "none", "functions": [lookup],
+                                                  "function_call": "none"})
+    assert resp.status_code == 200, resp.text
+    assert seen[-1] == want
+    assert resp.json()["usage"]["prompt_tokens"] == len(tok(want, add_special_tokens=False).input_ids)
+
+
+# Llama 3.1's test for an earlier turn's calls: `'tool_calls' in message`, then their number (None has none)
+KEYS_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}"
+                 "{% if 'tool_calls' in m %} calls {{ m.tool_calls | length }}{% endif %}"
+                 "{% if 'tool_call_id' in m %} answers {{ m.tool_call_id }}{% endif %}\n{% endfor %}")
+
+
+def test_null_tool_fields_of_an_earlier_reply_are_left_out(server, offline, monkeypatch):
+    """Clients send an earlier reply back as the SDK gave it: `"tool_calls": null` and other null fields. The
+    template gets the message without them (as without the keys), so a template that tests for the key (Llama 3.1's)
+    does not read null as calls. Reference: HF's apply_chat_template on the messages without the null fields. (HF
+    5.x drops null fields itself; older transformers, which pyproject allows, hand them to the template: so the
+    messages the server renders are checked too.)"""
+    from eightbit.engine.server import api
+
+    tok, seen, given, real = offline.get_tokenizer(), [], [], api.render_chat
+
+    def render(tok, messages, *args, **kwargs):
+        given.append(messages)
+        text, ids = real(tok, messages, *args, chat_template=KEYS_TEMPLATE, **kwargs)
+        seen.append(text)
+        return text, ids
+
+    monkeypatch.setattr(api, "render_chat", render)
+    sent = [{"role": "user", "content": "Weather?", "tool_call_id": None},
+            {"role": "assistant", "content": "Sunny.", "refusal": None, "tool_calls": None, "function_call": None},
+            {"role": "user", "content": "Thanks."}]
+    plain = [{"role": m["role"], "content": m["content"]} for m in sent]
+    want = tok.apply_chat_template(plain, chat_template=KEYS_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    resp = post(server, "/v1/chat/completions", {"model": MODEL, "messages": sent, "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    assert seen[-1] == want and "calls" not in want
+    assert given[-1] == plain
+
+
+def test_tool_call_history_of_the_wrong_shape(server, monkeypatch):
+    """An earlier turn's call whose function is not an object is a 400 naming the message (not a 500); arguments that
+    are JSON but not an object (a number, a list, true, sent as themselves rather than as a string) reach the
+    template as {} like any other arguments that are not an object; tool_calls that is not a list names the
+    message too."""
+    from eightbit.engine.server import api
+
+    seen = []
+    real = api.render_chat
+    monkeypatch.setattr(api, "render_chat", lambda tok, messages, *a, **kw: seen.append(messages) or real(
+        tok, messages, *a, **kw))
+    body = {"model": MODEL, "max_tokens": 1}
+    for function in ("get_weather", ["get_weather"]):
+        call = {"id": "call_1", "type": "function", "function": function}
+        body["messages"] = [TOOL_HISTORY[0], {**TOOL_HISTORY[1], "tool_calls": [call]}, TOOL_HISTORY[2]]
+        resp = post(server, "/v1/chat/completions", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.1", resp.text
+    for arguments in (5, [1], True, 2.5):
+        call = {**TOOL_CALL, "function": {"name": "get_weather", "arguments": arguments}}
+        body["messages"] = [TOOL_HISTORY[0], {**TOOL_HISTORY[1], "tool_calls": [call]}, TOOL_HISTORY[2]]
+        assert post(server, "/v1/chat/completions", body).status_code == 200
+        assert seen[-1][1]["tool_calls"][0]["function"]["arguments"] == {}, arguments
+    for bad in (5, "call", {"function": {"name": "f"}}):
+        body["messages"] = [TOOL_HISTORY[0], {**TOOL_HISTORY[1], "tool_calls": bad}, TOOL_HISTORY[2]]
+        resp = post(server, "/v1/chat/completions", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages.1", resp.text
+
+
+def test_a_named_tool_choice_is_refused_with_or_without_tools(server):
+    """tool_choice naming a function asks for a call, which this server never makes: refused, not answered with
+    text, whether or not the tools came too."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "tool_choice": choice}
+    for body, param in ((base, "tool_choice"), ({**base, "tools": TOOLS}, "tools"),
+                        ({**base, "tool_choice": None, "function_call": {"name": "get_weather"}}, "function_call")):
+        resp = post(server, "/v1/chat/completions", body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_tools_and_tool_calls_count_toward_the_character_bound(server, monkeypatch):
+    """The template's input is bounded before it is rendered (a template that shows them would turn them into prompt
+    text): the tools' and an earlier turn's calls' characters count, not only the messages' text."""
+    from eightbit.engine.server import api
+
+    state = server.app.state.server
+    limit = state.max_chars_per_token * state.max_model_len
+    def render(*args, **kwargs):
+        raise AssertionError("rendered past the character bound")
+
+    monkeypatch.setattr(api, "render_chat", render)
+    big_tool = {"type": "function", "function": {"name": "f", "description": "d" * limit}}
+    big_call = {**TOOL_CALL, "function": {"name": "get_weather", "arguments": json.dumps({"city": "x" * limit})}}
+    for extra in ({"tools": [big_tool], "tool_choice": "none"},
+                  {"messages": [TOOL_HISTORY[0], {**TOOL_HISTORY[1], "tool_calls": [big_call]}, TOOL_HISTORY[2]]}):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+        resp = post(server, "/v1/chat/completions", body)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+
+
+def test_add_generation_prompt_false_ends_the_prompt_after_the_last_message(server, offline):
+    """vLLM's add_generation_prompt: false, without continue_final_message: the conversation is rendered closed,
+    with no assistant turn opened after it. Reference: HF's apply_chat_template with the same option, generated
+    from offline."""
+    tok = offline.get_tokenizer()
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    ids = tok(text, add_special_tokens=False).input_ids
+    opened = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert len(tok(opened, add_special_tokens=False).input_ids) > len(ids)  # the option matters here
+    ref = offline.generate([ids], greedy(6), use_tqdm=False)[0].outputs[0]
+    resp = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 6,
+                                                  "temperature": 0, "add_generation_prompt": False})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+    assert resp.json()["choices"][0]["message"]["content"] == ref.text
+
+
+def _tiny_config():
+    from eightbit import EngineConfig
+
+    return EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                        max_model_len=256)
+
+
+def test_an_interrupted_engine_process_start_leaves_nothing_behind(monkeypatch):
+    """Ctrl-C while the engine is being built (the engine process ignores it): start() kills the process, closes
+    its pipe and starts afresh next time; stop() of a loop that never started does nothing."""
+    import signal
+
+    from eightbit.engine.server.engine_process import EngineProcess
+
+    loop = EngineProcess(_tiny_config())
+    loop.stop()  # never started
+    seen = {}
+
+    def interrupted(self):
+        seen.update(proc=self._proc, conn=self._conn)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EngineProcess, "_wait_for_start", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.start()
+        assert loop._proc is None and not loop.alive
+        seen["proc"].join(10)
+        assert seen["proc"].exitcode == -signal.SIGKILL and seen["conn"].closed
+        loop.stop()  # nothing to stop
+    finally:
+        if seen.get("proc") is not None and seen["proc"].is_alive():
+            seen["proc"].kill()
+
+
+def test_an_engine_process_starts_once_outlives_ctrl_c_and_is_killed_if_it_hangs_at_stop():
+    """start() of a started loop is a no-op (build_server starts what it is given); Ctrl-C reaches the engine process
+    too, which ignores it while the server drains; stop() kills an engine process that does not end on its stop
+    command in time (here: one stopped with SIGSTOP)."""
+    import multiprocessing
+    import os
+    import signal
+
+    from eightbit.engine.server.engine_process import EngineProcess
+
+    others = {p.pid for p in multiprocessing.active_children()}
+    srv = BackgroundServer(EngineProcess(_tiny_config())).start()
+    loop = srv.async_engine
+    proc = loop._proc
+    try:
+        assert loop.start() is loop and loop._proc is proc
+        assert [p.pid for p in multiprocessing.active_children() if p.pid not in others] == [proc.pid]
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.is_alive() and loop.alive
+        body = {"model": "llama-tiny", "prompt": [5, 17, 300], "max_tokens": 3, "ignore_eos": True}
+        resp = post(srv, "/v1/completions", body)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3, resp.text
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        loop.stop(timeout=1)
+        assert not proc.is_alive() and proc.exitcode == -signal.SIGKILL
+        assert time.monotonic() - started < 8
+    finally:
+        for p in multiprocessing.active_children():
+            if p.pid not in others:
+                p.kill()
+        srv.stop()
+
+
+def test_the_engine_process_stops_when_the_server_process_is_gone():
+    """The server process killed (SIGKILL, the OOM killer) closes its end of the pipe: the engine process stops
+    instead of idling for ever as an orphan holding the model's memory."""
+    import os
+    import socket
+
+    from eightbit.engine.server.engine_process import EngineProcess
+
+    loop = EngineProcess(_tiny_config()).start()
+    proc = loop._proc
+    try:
+        # as the server process's death does (a close() here would wait for the reader thread's recv to let go)
+        socket.socket(fileno=os.dup(loop._conn.fileno())).shutdown(socket.SHUT_RDWR)
+        proc.join(20)
+        assert not proc.is_alive() and proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        loop.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_background_server_that_cannot_serve_fails_its_start_at_once():
+    """uvicorn's thread ends when it cannot serve (here: its socket closed): start() says so then, not when its
+    timeout runs out."""
+    srv = BackgroundServer(tiny_engine())
+    try:
+        srv._sock.close()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="the server did not start"):
+            srv.start(timeout=60)
+        assert time.monotonic() - started < 20
+    finally:
+        srv.async_engine.stop()
