@@ -598,12 +598,14 @@ def test_silu_mul_quant_cpu(dtype, shape, poison):
 
 
 @cpu
-def test_a_nan_in_a_row_gives_it_a_nan_scale_as_in_torch():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, needs_cuda])])
+def test_a_nan_in_a_row_gives_it_a_nan_scale_as_in_torch(device):
     """tl.max drops NaN: a row holding one was quantized to finite values with a finite scale, where the reference
-    (torch's amax) gives scale NaN, so the NaN reached no output. Now the row's scale is NaN on both paths."""
-    x = (torch.randn(3, 96, generator=_gen(3)) * 2).to(torch.float16)
+    (torch's amax) gives scale NaN, so the NaN reached no output. Now the row's scale is NaN on both paths. Only the
+    compiled kernel can tell whether the max keeps NaN (the interpreter's np.maximum always does)."""
+    x = (torch.randn(3, 96, generator=_gen(3)) * 2).to(torch.float16).to(device)
     x[1, 17] = float("nan")
-    w = torch.ones(96, dtype=torch.float16)
+    w = torch.ones(96, dtype=torch.float16, device=device)
     gu = torch.cat([x, x], 1)
     for name, (q, s), (qr, sr) in (
         ("quant_per_token", quant_per_token(x), R.quant_per_token(x)),
@@ -611,7 +613,11 @@ def test_a_nan_in_a_row_gives_it_a_nan_scale_as_in_torch():
         ("silu_mul_quant", silu_mul_quant(gu), R.silu_mul_quant(gu)),
     ):
         assert torch.isnan(s[1]).all() and torch.isnan(sr[1]).all(), name
-        assert torch.isfinite(s[[0, 2]]).all() and torch.equal(q[[0, 2]], qr[[0, 2]]), name
+        assert torch.isfinite(s[[0, 2]]).all(), name
+        if device == "cpu" or name == "quant_per_token":
+            assert torch.equal(q[[0, 2]], qr[[0, 2]]), name
+        else:  # compiled, the norm's and SiLU's float math may move a value across a rounding edge
+            assert (q[[0, 2]].int() - qr[[0, 2]].int()).abs().max() <= 1, name
 
 
 @cpu
