@@ -86,12 +86,38 @@ def stream_events(server, path, body, timeout=120) -> list[dict]:
         return [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
+def tiny_config():
+    from eightbit import EngineConfig
+
+    return EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                        max_model_len=256)
+
+
 def tiny_engine():
     """A dummy-weight engine of its own, for tests that need one beside the session's servers."""
-    from eightbit import EngineConfig, LLMEngine
+    from eightbit import LLMEngine
 
-    return LLMEngine(EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32",
-                                  kv_cache_memory_gb=0.01, max_model_len=256))
+    return LLMEngine(tiny_config())
+
+
+def watch_rendering(monkeypatch, chat_template=None) -> list:
+    """Watch the server's chat rendering (engine/chat.render_chat as api.py calls it), optionally with another
+    template: a record per rendering, with its messages, the template variables the server passed (kwargs) and
+    the text."""
+    from types import SimpleNamespace
+
+    from eightbit.engine.server import api
+
+    seen, real = [], api.render_chat
+
+    def render(tok, messages, *args, **kwargs):
+        extra = {} if chat_template is None else {"chat_template": chat_template}
+        text, ids = real(tok, messages, *args, **kwargs, **extra)
+        seen.append(SimpleNamespace(messages=messages, kwargs=kwargs, text=text))
+        return text, ids
+
+    monkeypatch.setattr(api, "render_chat", render)
+    return seen
 
 
 def parallel(*calls):
@@ -708,28 +734,20 @@ def test_chat_template_variables_still_reach_the_template(client, offline, monke
     """chat_template_kwargs keeps setting the template's own variables; only apply_chat_template's parameters are
     refused. (SmolLM2's template reads no variable, so the rendering is watched: the reply alone would be the same
     had the variable been dropped.)"""
-    from eightbit.engine.server import api
-
-    seen = []
-    real = api.render_chat
-    monkeypatch.setattr(api, "render_chat", lambda *args, **kwargs: seen.append(kwargs) or real(*args, **kwargs))
+    seen = watch_rendering(monkeypatch)
     messages = [{"role": "user", "content": "Hi"}]
     ref = offline.chat(messages, greedy(4), use_tqdm=False)[0].outputs[0].text
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                          extra_body={"chat_template_kwargs": {"some_template_variable": True}})
     assert out.choices[0].message.content == ref
-    assert seen == [{"some_template_variable": True}]
+    assert [r.kwargs for r in seen] == [{"some_template_variable": True}]
 
 
 def test_tools_with_tool_choice_none_reach_the_template_and_are_never_called(client, offline, monkeypatch):
     """Agent frameworks send their tools with every request: with tool_choice "none" they are taken, passed to the
     chat template as HF's `tools` (SmolLM2's template does not read them, so the rendering is watched), and the answer
     is plain text; any other tool_choice is refused (tests above)."""
-    from eightbit.engine.server import api
-
-    seen = []
-    real = api.render_chat
-    monkeypatch.setattr(api, "render_chat", lambda *args, **kwargs: seen.append(kwargs) or real(*args, **kwargs))
+    seen = watch_rendering(monkeypatch)
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
@@ -738,11 +756,11 @@ def test_tools_with_tool_choice_none_reach_the_template_and_are_never_called(cli
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, tools=tools,
                                          tool_choice="none")
     assert out.choices[0].message.content == ref and not out.choices[0].message.tool_calls
-    assert seen == [{"tools": tools}]
+    assert [r.kwargs for r in seen] == [{"tools": tools}]
     # the deprecated form: functions with function_call "none" reach the template as tools
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                          functions=[tools[0]["function"]], function_call="none")
-    assert out.choices[0].message.content == ref and seen[-1] == {"tools": tools}
+    assert out.choices[0].message.content == ref and seen[-1].kwargs == {"tools": tools}
 
 
 def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server, monkeypatch):
@@ -751,12 +769,7 @@ def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server,
     result's call id. As in vLLM, arguments that are empty or not a JSON object become {} (a bad call in the history
     must not lock the conversation out) and an empty list of calls is dropped; tool_calls that is not a list, or a
     call without a function, is a 400 naming the message."""
-    from eightbit.engine.server import api
-
-    seen = []
-    real = api.render_chat
-    monkeypatch.setattr(api, "render_chat", lambda tok, messages, *a, **kw: seen.append(messages) or real(
-        tok, messages, *a, **kw))
+    seen = watch_rendering(monkeypatch)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -764,18 +777,18 @@ def test_earlier_tool_calls_reach_the_template_as_hf_templates_take_them(server,
     body = {"model": MODEL, "messages": history, "max_tokens": 2, "tool_choice": "none",
             "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
     assert post(server, "/v1/chat/completions", body).status_code == 200
-    assert seen[-1][1] == {"role": "assistant", "content": "", "tool_calls": [
+    assert seen[-1].messages[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
-    assert seen[-1][2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    assert seen[-1].messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
     for arguments in ("{city", "", None, "[1]", "[" * 100000, "1" * 5000, {"city": "Rome"}):
         function = {"name": "f"} if arguments is None else {"name": "f", "arguments": arguments}
         body["messages"] = [history[0], {**history[1], "tool_calls": [{**call, "function": function}]}, history[2]]
         assert post(server, "/v1/chat/completions", body).status_code == 200
-        got = seen[-1][1]["tool_calls"][0]["function"]["arguments"]
+        got = seen[-1].messages[1]["tool_calls"][0]["function"]["arguments"]
         assert got == (arguments if isinstance(arguments, dict) else {}), (repr(arguments)[:20], got)
     body["messages"] = [history[0], {"role": "assistant", "content": "Sunny.", "tool_calls": []}]
     assert post(server, "/v1/chat/completions", body).status_code == 200
-    assert seen[-1][1] == {"role": "assistant", "content": "Sunny."}
+    assert seen[-1].messages[1] == {"role": "assistant", "content": "Sunny."}
     for bad in ("not a call", {"id": "call_2", "type": "function"}):
         body["messages"] = [history[0], {**history[1], "tool_calls": [bad]}, history[2]]
         resp = post(server, "/v1/chat/completions", body)
@@ -806,17 +819,7 @@ def check_the_template_sees(srv, tok, monkeypatch, tools_shown: bool):
     tool-calling history, the server's tokenizer rendering them with TOOLS_TEMPLATE: its rendering (watched) is HF's
     apply_chat_template on the same template, with the tools if tools_shown, else without them, the history's calls
     and results shown either way; usage counts that reference's tokens."""
-    from eightbit.engine.server import api
-
-    seen = []
-    real = api.render_chat
-
-    def render(tok, messages, *args, **kwargs):
-        text, ids = real(tok, messages, *args, chat_template=TOOLS_TEMPLATE, **kwargs)
-        seen.append(text)
-        return text, ids
-
-    monkeypatch.setattr(api, "render_chat", render)
+    seen = watch_rendering(monkeypatch, TOOLS_TEMPLATE)
     # the history as the template takes it: content "" for None, the call's arguments as a dict
     history = [TOOL_HISTORY[0], {"role": "assistant", "content": "", "tool_calls": [
         {**TOOL_CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, TOOL_HISTORY[2]]
@@ -833,7 +836,7 @@ def check_the_template_sees(srv, tok, monkeypatch, tools_shown: bool):
                  {"functions": [TOOLS[0]["function"]], "function_call": "none"}):
         resp = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": TOOL_HISTORY, "max_tokens": 1, **form})
         assert resp.status_code == 200, resp.text
-        assert seen[-1] == want, form
+        assert seen[-1].text == want, form
         assert resp.json()["usage"]["prompt_tokens"] == len(tok(want, add_special_tokens=False).input_ids)
 
 
@@ -887,19 +890,14 @@ def test_continue_final_message_continues_the_assistant_s_last_words(client, off
 def test_text_parts_are_joined_by_newlines(server, monkeypatch):
     """As vLLM joins them, so that parts do not run into each other; the Responses API's input_text and an earlier
     turn's refusal are text too."""
-    from eightbit.engine.server import api
-
-    seen = []
-    real = api.render_chat
-    monkeypatch.setattr(api, "render_chat", lambda tok, messages, *a, **kw: seen.append(messages) or real(
-        tok, messages, *a, **kw))
+    seen = watch_rendering(monkeypatch)
     messages = [{"role": "user", "content": [{"type": "text", "text": "First."}, {"type": "input_text",
                                                                                  "text": "Second."}]},
                 {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
                 {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
     assert post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
                                                  "max_tokens": 1}).status_code == 200
-    assert [m["content"] for m in seen[-1]] == ["First.\nSecond.", "I cannot.", "Why?"]
+    assert [m["content"] for m in seen[-1].messages] == ["First.\nSecond.", "I cannot.", "Why?"]
 
 
 def test_the_overload_metric_counts_queue_rejections_only():
@@ -1632,16 +1630,7 @@ def test_prompt_token_ids_must_be_inside_the_vocabulary(server):
 def test_tools_and_functions_sent_together_both_reach_the_template(server, offline, monkeypatch):
     """A request may carry both `tools` and the deprecated `functions` (each with its "none"): the template gets
     both, the functions in tools' form after the tools. Reference: HF's apply_chat_template with that tool list."""
-    from eightbit.engine.server import api
-
-    tok, seen, real = offline.get_tokenizer(), [], api.render_chat
-
-    def render(tok, messages, *args, **kwargs):
-        text, ids = real(tok, messages, *args, chat_template=TOOLS_TEMPLATE, **kwargs)
-        seen.append(text)
-        return text, ids
-
-    monkeypatch.setattr(api, "render_chat", render)
+    tok, seen = offline.get_tokenizer(), watch_rendering(monkeypatch, TOOLS_TEMPLATE)
     lookup = {"name": "lookup", "description": "look a word up", "parameters": {"type": "object", "properties": {}}}
     messages = [{"role": "user", "content": "Hi"}]
     want = tok.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True,
@@ -1651,7 +1640,7 @@ def test_tools_and_functions_sent_together_both_reach_the_template(server, offli
                                                   "tools": TOOLS, "tool_choice": "none", "functions": [lookup],
                                                   "function_call": "none"})
     assert resp.status_code == 200, resp.text
-    assert seen[-1] == want
+    assert seen[-1].text == want
     assert resp.json()["usage"]["prompt_tokens"] == len(tok(want, add_special_tokens=False).input_ids)
 
 
@@ -1667,17 +1656,7 @@ def test_null_tool_fields_of_an_earlier_reply_are_left_out(server, offline, monk
     does not read null as calls. Reference: HF's apply_chat_template on the messages without the null fields. (HF
     5.x drops null fields itself; older transformers, which pyproject allows, hand them to the template: so the
     messages the server renders are checked too.)"""
-    from eightbit.engine.server import api
-
-    tok, seen, given, real = offline.get_tokenizer(), [], [], api.render_chat
-
-    def render(tok, messages, *args, **kwargs):
-        given.append(messages)
-        text, ids = real(tok, messages, *args, chat_template=KEYS_TEMPLATE, **kwargs)
-        seen.append(text)
-        return text, ids
-
-    monkeypatch.setattr(api, "render_chat", render)
+    tok, seen = offline.get_tokenizer(), watch_rendering(monkeypatch, KEYS_TEMPLATE)
     sent = [{"role": "user", "content": "Weather?", "tool_call_id": None},
             {"role": "assistant", "content": "Sunny.", "refusal": None, "tool_calls": None, "function_call": None},
             {"role": "user", "content": "Thanks."}]
@@ -1685,8 +1664,8 @@ def test_null_tool_fields_of_an_earlier_reply_are_left_out(server, offline, monk
     want = tok.apply_chat_template(plain, chat_template=KEYS_TEMPLATE, add_generation_prompt=True, tokenize=False)
     resp = post(server, "/v1/chat/completions", {"model": MODEL, "messages": sent, "max_tokens": 1})
     assert resp.status_code == 200, resp.text
-    assert seen[-1] == want and "calls" not in want
-    assert given[-1] == plain
+    assert seen[-1].text == want and "calls" not in want
+    assert seen[-1].messages == plain
 
 
 def test_tool_call_history_of_the_wrong_shape(server, monkeypatch):
@@ -1694,12 +1673,7 @@ def test_tool_call_history_of_the_wrong_shape(server, monkeypatch):
     are JSON but not an object (a number, a list, true, sent as themselves rather than as a string) reach the
     template as {} like any other arguments that are not an object; tool_calls that is not a list names the
     message too."""
-    from eightbit.engine.server import api
-
-    seen = []
-    real = api.render_chat
-    monkeypatch.setattr(api, "render_chat", lambda tok, messages, *a, **kw: seen.append(messages) or real(
-        tok, messages, *a, **kw))
+    seen = watch_rendering(monkeypatch)
     body = {"model": MODEL, "max_tokens": 1}
     for function in ("get_weather", ["get_weather"]):
         call = {"id": "call_1", "type": "function", "function": function}
@@ -1710,7 +1684,7 @@ def test_tool_call_history_of_the_wrong_shape(server, monkeypatch):
         call = {**TOOL_CALL, "function": {"name": "get_weather", "arguments": arguments}}
         body["messages"] = [TOOL_HISTORY[0], {**TOOL_HISTORY[1], "tool_calls": [call]}, TOOL_HISTORY[2]]
         assert post(server, "/v1/chat/completions", body).status_code == 200
-        assert seen[-1][1]["tool_calls"][0]["function"]["arguments"] == {}, arguments
+        assert seen[-1].messages[1]["tool_calls"][0]["function"]["arguments"] == {}, arguments
     for bad in (5, "call", {"function": {"name": "f"}}):
         body["messages"] = [TOOL_HISTORY[0], {**TOOL_HISTORY[1], "tool_calls": bad}, TOOL_HISTORY[2]]
         resp = post(server, "/v1/chat/completions", body)
@@ -1735,6 +1709,7 @@ def test_tools_and_tool_calls_count_toward_the_character_bound(server, monkeypat
 
     state = server.app.state.server
     limit = state.max_chars_per_token * state.max_model_len
+
     def render(*args, **kwargs):
         raise AssertionError("rendered past the character bound")
 
@@ -1767,13 +1742,6 @@ def test_add_generation_prompt_false_ends_the_prompt_after_the_last_message(serv
     assert resp.json()["choices"][0]["message"]["content"] == ref.text
 
 
-def _tiny_config():
-    from eightbit import EngineConfig
-
-    return EngineConfig("llama-tiny", load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
-                        max_model_len=256)
-
-
 def test_an_interrupted_engine_process_start_leaves_nothing_behind(monkeypatch):
     """Ctrl-C while the engine is being built (the engine process ignores it): start() kills the process, closes
     its pipe and starts afresh next time; stop() of a loop that never started does nothing."""
@@ -1781,7 +1749,7 @@ def test_an_interrupted_engine_process_start_leaves_nothing_behind(monkeypatch):
 
     from eightbit.engine.server.engine_process import EngineProcess
 
-    loop = EngineProcess(_tiny_config())
+    loop = EngineProcess(tiny_config())
     loop.stop()  # never started
     seen = {}
 
@@ -1813,7 +1781,7 @@ def test_an_engine_process_starts_once_outlives_ctrl_c_and_is_killed_if_it_hangs
     from eightbit.engine.server.engine_process import EngineProcess
 
     others = {p.pid for p in multiprocessing.active_children()}
-    srv = BackgroundServer(EngineProcess(_tiny_config())).start()
+    srv = BackgroundServer(EngineProcess(tiny_config())).start()
     loop = srv.async_engine
     proc = loop._proc
     try:
@@ -1845,7 +1813,7 @@ def test_the_engine_process_stops_when_the_server_process_is_gone():
 
     from eightbit.engine.server.engine_process import EngineProcess
 
-    loop = EngineProcess(_tiny_config()).start()
+    loop = EngineProcess(tiny_config()).start()
     proc = loop._proc
     try:
         # as the server process's death does (a close() here would wait for the reader thread's recv to let go)
