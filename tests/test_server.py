@@ -1805,28 +1805,6 @@ def test_an_engine_process_starts_once_outlives_ctrl_c_and_is_killed_if_it_hangs
         srv.stop()
 
 
-def test_the_engine_process_stops_when_the_server_process_is_gone():
-    """The server process killed (SIGKILL, the OOM killer) closes its end of the pipe: the engine process stops
-    instead of idling for ever as an orphan holding the model's memory."""
-    import os
-    import socket
-
-    from eightbit.engine.server.engine_process import EngineProcess
-
-    loop = EngineProcess(tiny_config()).start()
-    proc = loop._proc
-    try:
-        # as the server process's death does (a close() here would wait for the reader thread's recv to let go)
-        socket.socket(fileno=os.dup(loop._conn.fileno())).shutdown(socket.SHUT_RDWR)
-        proc.join(20)
-        assert not proc.is_alive() and proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        loop.stop()
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_background_server_that_cannot_serve_fails_its_start_at_once():
     """uvicorn's thread ends when it cannot serve (here: its socket closed): start() says so then, not when its

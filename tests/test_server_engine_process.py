@@ -91,6 +91,52 @@ def test_the_engine_process_outlives_a_sigterm_so_that_the_server_can_drain():
     assert not proc.is_alive() and proc.exitcode == 0  # it ended on the stop command
 
 
+SERVER_PROCESS = """
+import sys, time
+from eightbit import EngineConfig
+from eightbit.engine.server.engine_process import EngineProcess
+loop = EngineProcess(EngineConfig(**%r)).start()
+print(loop._proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid) -> bool:
+    """Whether pid is a live process (not gone, not a zombie that its new parent has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_engine_process_stops_when_the_server_process_is_killed(tmp_path):
+    """A server process killed with SIGKILL (the OOM killer) runs no clean-up: its end of the pipe closes with it,
+    and the engine process stops instead of idling for ever as an orphan holding the model's memory. (A real server
+    process, so that nothing else holding the pipe could hide the close.)"""
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", SERVER_PROCESS % ENGINE_OPTIONS], stdout=subprocess.PIPE,
+                              text=True, cwd=tmp_path)
+    engine_pid = None
+    try:
+        line = server.stdout.readline()
+        assert line, "the server process ended before its engine process had started"
+        engine_pid = int(line)
+        assert _running(engine_pid)
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 20
+        while _running(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(engine_pid), "the engine process outlived its server process by 20 s"
+    finally:
+        server.kill()
+        if engine_pid is not None and _running(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("flags, loop_type", [([], EngineProcess),
                                                (["--no-engine-process", "--exclude-tools-when-tool-choice-none"],
                                                 AsyncEngine)])
