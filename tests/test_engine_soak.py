@@ -1,0 +1,140 @@
+"""Random workloads through the whole engine on the CPU: requests arriving between steps, shared prefixes, n > 1
+forks, stop tokens and min_tokens, priorities, aborts, a KV cache small enough to preempt, small token budgets,
+async scheduling on and off, and the three ways of reporting a request (every step, deltas, final only).
+
+Every request that is not aborted must get, sample for sample, the tokens and finish reasons it gets when it runs
+alone on a roomy engine; an aborted one a prefix of those tokens. When the work is done, every KV block is free and
+no sequence is left."""
+
+import random
+
+import pytest
+
+from eightbit import EngineConfig, LLMEngine, SamplingParams
+
+MAX_MODEL_LEN = 48
+MODEL = dict(model="llama-tiny", load_format="dummy", device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+MODES = ("every_step", "delta", "final_only")
+CHUNK = 8  # prompts are made of 8-token chunks (a multiple of every block size here) and a random tail, so
+# equal blocks recur after different prefixes: the prefix cache must key a block on everything before it
+
+
+@pytest.fixture(scope="module")
+def alone_engine():
+    return LLMEngine(EngineConfig(**MODEL, num_kv_blocks=64, enable_prefix_caching=False))
+
+
+def run_alone(engine, prompt, params) -> tuple[list, list]:
+    """Each sample's token ids and finish reason, the request the only one in the engine."""
+    engine.add_request("alone", prompt, params, final_only=True)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final is not None and final.finished
+    outputs = sorted(final.outputs, key=lambda o: o.index)
+    return [o.token_ids for o in outputs], [o.finish_reason for o in outputs]
+
+
+def random_prompt(rng, chunks, max_len):
+    prompt = [t for _ in range(rng.randrange(4)) for t in rng.choice(chunks)][: max_len - 1]
+    return prompt + [rng.randrange(1, 1024) for _ in range(rng.randrange(1, max_len - len(prompt) + 1))]
+
+
+def random_params(rng, alone, prompt):
+    """Greedy or seeded sampling, n of 1-3; a length cap or none (max_model_len); sometimes a stop token the greedy
+    reply has (its expected reply checked here by hand), or a min_tokens that bans it for a while."""
+    n = rng.choice((1, 1, 1, 1, 2, 2, 3))
+    max_tokens = None if rng.random() < 0.15 else rng.randrange(1, MAX_MODEL_LEN - len(prompt) + 1)
+    if rng.random() < 0.3:  # each sample's generator is its own (seed + index)
+        return SamplingParams(n=n, temperature=0.8, seed=rng.randrange(1000), max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if rng.random() < 0.35:
+        greedy = run_alone(alone, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0][0]
+        stop = rng.choice(greedy)
+        params.stop_token_ids = [stop]
+        if rng.random() < 0.3:
+            params.min_tokens = rng.randrange(1, len(greedy) + 1)
+        else:  # the reply ends at the stop token's first appearance, and keeps it
+            end = greedy.index(stop) + 1
+            assert run_alone(alone, prompt, params) == ([greedy[:end]] * n, ["stop"] * n)
+    return params
+
+
+def random_requests(rng, alone, count) -> list[tuple]:
+    chunks = [[rng.randrange(1, 1024) for _ in range(CHUNK)] for _ in range(3)]
+    requests = []
+    for i in range(count):
+        prompt = random_prompt(rng, chunks, rng.randrange(2, MAX_MODEL_LEN - 8))
+        params = random_params(rng, alone, prompt)
+        requests.append((f"r{i}", prompt, params, rng.randrange(3), rng.choice(MODES)))
+    return requests
+
+
+def random_config(rng, requests) -> EngineConfig:
+    """A KV cache with room for the largest request's samples each in blocks of its own, and a block or two more:
+    running several requests at once preempts."""
+    block_size = rng.choice((2, 4, 8))
+    blocks = max(p.n * -(-(len(prompt) + (p.max_tokens or MAX_MODEL_LEN)) // block_size)
+                 for _, prompt, p, _, _ in requests)
+    blocks = max(blocks, -(-MAX_MODEL_LEN // block_size))  # the engine's minimum: one max_model_len sequence
+    return EngineConfig(**MODEL, block_size=block_size, num_kv_blocks=blocks + rng.randrange(3),
+                        max_num_seqs=rng.randrange(3, 9), max_num_batched_tokens=rng.choice((3, 8, 16, 64)),
+                        enable_prefix_caching=rng.random() < 0.7, async_scheduling=rng.random() < 0.5)
+
+
+def drive(engine, rng, requests):
+    """Add the requests over the steps, abort some, and return {request id: ({sample: token ids}, {sample: finish
+    reason})} and the set of aborted ids."""
+    pending = list(requests)
+    tokens, reasons, aborted = {}, {}, set()
+    modes = {rid: mode for rid, _, _, _, mode in requests}
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 3000, "the engine stopped making progress"
+        while pending and (not engine.has_unfinished_requests() or rng.random() < 0.6):
+            rid, prompt, params, priority, mode = pending.pop(0)
+            engine.add_request(rid, prompt, params, priority, final_only=mode == "final_only", delta=mode == "delta")
+            tokens[rid] = {}
+        live = [rid for rid in engine.requests if rid not in aborted]
+        if live and rng.random() < 0.02:
+            rid = rng.choice(live)
+            engine.abort(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            rid = out.request_id
+            assert rid not in reasons, f"{rid} reported after its final output"
+            assert modes[rid] != "final_only" or out.finished
+            for o in out.outputs:
+                if modes[rid] == "delta":
+                    tokens[rid].setdefault(o.index, []).extend(o.token_ids)
+                else:
+                    tokens[rid][o.index] = list(o.token_ids)
+            if out.finished:
+                reasons[rid] = {o.index: o.finish_reason for o in out.outputs}
+    assert set(reasons) == set(tokens), "every request ends with one final output"
+    return {rid: (tokens[rid], reasons[rid]) for rid in tokens}, aborted
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_give_every_request_what_it_gets_alone(seed, alone_engine):
+    rng = random.Random(seed)
+    requests = random_requests(rng, alone_engine, rng.randrange(8, 20))
+    engine = LLMEngine(random_config(rng, requests))
+    got, aborted = drive(engine, rng, requests)
+
+    for rid, prompt, params, _, _ in requests:
+        want_ids, want_reasons = run_alone(alone_engine, prompt, params)
+        ids, reasons = got[rid]
+        if rid in aborted:
+            for i, sample in ids.items():
+                assert sample == want_ids[i][: len(sample)], f"{rid} sample {i}: not a prefix of its tokens alone"
+                assert reasons[i] in ("abort", want_reasons[i])
+        else:
+            assert [ids[i] for i in range(params.n)] == want_ids, f"{rid} ({engine.config}) differs from alone"
+            assert [reasons[i] for i in range(params.n)] == want_reasons
+
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
