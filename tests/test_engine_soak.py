@@ -20,8 +20,16 @@ CHUNK = 8  # prompts are made of 8-token chunks (a multiple of every block size 
 
 
 @pytest.fixture(scope="module")
-def alone_engine():
-    return LLMEngine(EngineConfig(**MODEL, num_kv_blocks=64, enable_prefix_caching=False))
+def alone_engines():
+    engines = {}
+
+    def get(kv_cache_dtype):
+        if kv_cache_dtype not in engines:
+            engines[kv_cache_dtype] = LLMEngine(EngineConfig(**MODEL, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
+                                                             enable_prefix_caching=False))
+        return engines[kv_cache_dtype]
+
+    return get
 
 
 def run_alone(engine, prompt, params) -> tuple[list, list]:
@@ -71,15 +79,16 @@ def random_requests(rng, alone, count) -> list[tuple]:
     return requests
 
 
-def random_config(rng, requests) -> EngineConfig:
+def random_config(rng, requests, kv_cache_dtype) -> EngineConfig:
     """A KV cache with room for the largest request's samples each in blocks of its own, and a block or two more:
     running several requests at once preempts."""
     block_size = rng.choice((2, 4, 8))
     blocks = max(p.n * -(-(len(prompt) + (p.max_tokens or MAX_MODEL_LEN)) // block_size)
                  for _, prompt, p, _, _ in requests)
     blocks = max(blocks, -(-MAX_MODEL_LEN // block_size))  # the engine's minimum: one max_model_len sequence
-    return EngineConfig(**MODEL, block_size=block_size, num_kv_blocks=blocks + rng.randrange(3),
-                        max_num_seqs=rng.randrange(3, 9), max_num_batched_tokens=rng.choice((3, 8, 16, 64)),
+    return EngineConfig(**MODEL, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                        num_kv_blocks=blocks + rng.randrange(3), max_num_seqs=rng.randrange(3, 9),
+                        max_num_batched_tokens=rng.choice((3, 8, 16, 64)),
                         enable_prefix_caching=rng.random() < 0.7, async_scheduling=rng.random() < 0.5)
 
 
@@ -117,11 +126,14 @@ def drive(engine, rng, requests):
     return {rid: (tokens[rid], reasons[rid]) for rid in tokens}, aborted
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_random_workloads_give_every_request_what_it_gets_alone(seed, alone_engine):
+@pytest.mark.parametrize("seed, kv_cache_dtype", [(seed, "auto") for seed in range(8)] +
+                         [(seed, "int8") for seed in range(8, 12)])
+def test_random_workloads_give_every_request_what_it_gets_alone(seed, kv_cache_dtype, alone_engines):
+    """(The int8 KV cache too: a token's quantized K and V do not depend on the step that wrote them.)"""
     rng = random.Random(seed)
+    alone_engine = alone_engines(kv_cache_dtype)
     requests = random_requests(rng, alone_engine, rng.randrange(8, 20))
-    engine = LLMEngine(random_config(rng, requests))
+    engine = LLMEngine(random_config(rng, requests, kv_cache_dtype))
     got, aborted = drive(engine, rng, requests)
 
     for rid, prompt, params, _, _ in requests:
