@@ -74,6 +74,9 @@ class BlockManager:
         self._free_rows: list[int] = []
         self._num_tokens: dict = {}  # seq_id -> tokens its table holds (its length as last told)
         self._hashes: dict = {}  # seq_id -> chain hashes of its leading computed full blocks
+        # copy-on-write copies handed out by append_slots and not done yet: the tables point at the new blocks
+        # already, so whoever runs the next step must do these first, even if the step they were made for failed
+        self.copies_due: list[tuple[int, int]] = []
         self.num_prefix_hit_tokens = 0  # tokens served from the cache by allocate()
         self.num_prefix_queried_tokens = 0  # tokens looked up by allocate(); hit rate = hit / queried
 
@@ -137,8 +140,9 @@ class BlockManager:
 
         The step writes from the sequence's previous length on. Only the block holding that first position can
         already exist (the table holds exactly the blocks its length needs), so it is the only one that may be
-        shared and need copy-on-write. Returns the [(src, dst)] block copies the caller must do before writing
-        (usually none), or None, changing nothing, when blocks run out.
+        shared and need copy-on-write. Returns the [(src, dst)] block copies to do before writing (usually none;
+        also added to copies_due, for the caller to clear once done), or None, changing nothing, when blocks run
+        out.
         """
         table = self._tables[seq_id]
         old = self._num_tokens[seq_id]
@@ -160,6 +164,7 @@ class BlockManager:
             self._ref[table[i]] -= 1
             copies.append((table[i], self._take_free()))
             table[i] = copies[0][1]
+            self.copies_due.append(copies[0])
         table.extend(self._take_free() for _ in range(num_new))
         if cow or num_new:
             self._rows[self._row[seq_id], i : len(table)] = table[i:]

@@ -317,11 +317,12 @@ class LLMEngine:
                 sched = self.scheduler.schedule()
                 if not sched.scheduled:
                     return aborted
-                launched = self._launch(sched.scheduled, sched.copies)
+                launched = self._launch(sched.scheduled)
             if self.config.async_scheduling:
                 self._in_flight = self._launch_continuation(launched)
             return aborted + self._complete_step(launched)
         except BaseException:  # a Ctrl-C or an error: the requests of other callers must still run on
+            self._copy_due_blocks(after_failure=True)
             self._aborted = aborted + self._aborted
             # a request that finished in this step before the failure still reports its end (its stream would wait)
             self._aborted += [self._output(r, {}) for r in list(self.requests.values()) if r.is_finished]
@@ -339,10 +340,27 @@ class LLMEngine:
             if not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens:
                 seq.num_computed_tokens = seq.num_tokens - 1
 
-    def _launch(self, scheduled, copies, input_tokens=None) -> LaunchedStep:
+    def _copy_due_blocks(self, after_failure=False):
+        """Do the copy-on-write copies the block manager has handed out (KVCache.copy_blocks): before every step,
+        and at once after a step that failed, whose block tables point at the copies already, so that no copy is
+        lost between the schedule and the model run. A copy done twice (an interrupt between the copy and the
+        clear) copies the same data: no step ran in between."""
+        due = self.block_manager.copies_due
+        if not due:
+            return
+        try:
+            self.runner.kv_cache.copy_blocks(due)
+        except Exception:
+            if not after_failure:
+                raise
+            return  # the device itself failed (the step's own error follows); the copies stay due
+        due.clear()
+
+    def _launch(self, scheduled, input_tokens=None) -> LaunchedStep:
         """Run the model, count the new tokens as computed, fork the n > 1 samples of prompts that just finished
         (_fork_and_rows), and sample on the device; nothing waits for the GPU here."""
-        result = self.runner.run(scheduled, copies, input_tokens)
+        self._copy_due_blocks()
+        result = self.runner.run(scheduled, input_tokens)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.num_computed_tokens += n
@@ -393,7 +411,7 @@ class LLMEngine:
         tokens = launched.tokens
         if len(keep) < len(tokens):
             tokens = tokens[to_device(keep, torch.int64, tokens.device)]
-        return self._launch(sched.scheduled, sched.copies, tokens)
+        return self._launch(sched.scheduled, tokens)
 
     def _ends_by_length(self, seq) -> bool:
         """Whether the token being sampled for seq now is its last (max_tokens or max_model_len)."""

@@ -163,11 +163,10 @@ class ModelRunner:
             layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = self.kv_cache.layer(i)
 
     @torch.inference_mode()
-    def run(self, scheduled, copies=(), input_tokens=None) -> StepResult:
-        """Run one step. input_tokens: a continuation step's input ids, still on the device (each
-        sequence's token sampled by the step before, not yet appended to its token_ids)."""
-        if copies:
-            self.kv_cache.copy_blocks(copies)
+    def run(self, scheduled, input_tokens=None) -> StepResult:
+        """Run one step (the engine has done its copy-on-write copies). input_tokens: a continuation step's input
+        ids, still on the device (each sequence's token sampled by the step before, not yet appended to its
+        token_ids)."""
         scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # one-token sequences first (stable)
         input_ids, positions, context, sample_rows, sample_seqs = self._prepare(scheduled, input_tokens)
         # logits: those of the first len(logits) rows where a decode graph made them, else None

@@ -18,7 +18,6 @@ from eightbit.engine.sequence import SequenceStatus
 @dataclass
 class SchedulerOutput:
     scheduled: list = field(default_factory=list)  # [(Sequence, num_new_tokens)]; the runner orders the batch
-    copies: list = field(default_factory=list)  # [(src_block, dst_block)] copy-on-write before the step
     preempted: list = field(default_factory=list)
 
     @property
@@ -62,10 +61,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            copies = self._reserve(seq, n, out)
-            if copies is None:  # seq itself was preempted: nothing after it can run either
+            if not self._reserve(seq, n, out):  # seq itself was preempted: nothing after it can run either
                 break
-            out.copies += copies
             out.scheduled.append((seq, n))
             budget -= n
             i += 1
@@ -103,12 +100,12 @@ class Scheduler:
         if self.waiting and self._seats_taken() + self._seats(self.waiting[0]) <= self.max_num_seqs:
             return None
         # one token takes at most one block per sequence (a new one, or a copy of a shared one), so
-        # with this many free every reservation below succeeds: all or nothing, no copy left undone
+        # with this many free every reservation below succeeds: all or nothing
         if len(seqs) > self.max_num_batched_tokens or self.block_manager.num_free_blocks < len(seqs):
             return None
         out = SchedulerOutput()
         for seq in seqs:
-            out.copies += self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + 1)
+            self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + 1)
             out.scheduled.append((seq, 1))
         return out
 
@@ -126,16 +123,15 @@ class Scheduler:
     def _insert(queue, seq):
         bisect.insort(queue, seq, key=lambda s: s.sort_key())
 
-    def _reserve(self, seq, n, out):
-        """Blocks for seq's next n tokens, preempting from the back of the running list as needed."""
-        while True:
-            copies = self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n)
-            if copies is not None:
-                return copies
+    def _reserve(self, seq, n, out) -> bool:
+        """Blocks for seq's next n tokens, preempting from the back of the running list as needed; False if seq
+        itself was preempted."""
+        while self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + n) is None:
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
-                return None
+                return False
+        return True
 
     def _preempt(self, seq, out):
         self.running.remove(seq)

@@ -9,6 +9,7 @@ no sequence is left."""
 import random
 
 import pytest
+import torch
 
 from eightbit import EngineConfig, LLMEngine, SamplingParams
 
@@ -17,6 +18,16 @@ MODEL = dict(model="llama-tiny", load_format="dummy", device="cpu", dtype="float
 MODES = ("every_step", "delta", "final_only")
 CHUNK = 8  # prompts are made of 8-token chunks (a multiple of every block size here) and a random tail, so
 # equal blocks recur after different prefixes: the prefix cache must key a block on everything before it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's steps are host-bound: one torch thread runs them several times faster than two (which
+    wait on each other, more so on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +60,10 @@ def random_prompt(rng, chunks, max_len):
     return prompt + [rng.randrange(1, 1024) for _ in range(rng.randrange(1, max_len - len(prompt) + 1))]
 
 
-def random_params(rng, alone, prompt):
+def random_params(rng, alone, prompt, ns=(1, 1, 1, 1, 2, 2, 3)):
     """Greedy or seeded sampling, n of 1-3; a length cap or none (max_model_len); sometimes a stop token the greedy
     reply has (its expected reply checked here by hand), or a min_tokens that bans it for a while."""
-    n = rng.choice((1, 1, 1, 1, 2, 2, 3))
+    n = rng.choice(ns)
     max_tokens = None if rng.random() < 0.15 else rng.randrange(1, MAX_MODEL_LEN - len(prompt) + 1)
     if rng.random() < 0.3:  # each sample's generator is its own (seed + index)
         return SamplingParams(n=n, temperature=0.8, seed=rng.randrange(1000), max_tokens=max_tokens, ignore_eos=True)
@@ -69,12 +80,12 @@ def random_params(rng, alone, prompt):
     return params
 
 
-def random_requests(rng, alone, count) -> list[tuple]:
+def random_requests(rng, alone, count, ns=(1, 1, 1, 1, 2, 2, 3)) -> list[tuple]:
     chunks = [[rng.randrange(1, 1024) for _ in range(CHUNK)] for _ in range(3)]
     requests = []
     for i in range(count):
         prompt = random_prompt(rng, chunks, rng.randrange(2, MAX_MODEL_LEN - 8))
-        params = random_params(rng, alone, prompt)
+        params = random_params(rng, alone, prompt, ns)
         requests.append((f"r{i}", prompt, params, rng.randrange(3), rng.choice(MODES)))
     return requests
 
@@ -92,9 +103,9 @@ def random_config(rng, requests, kv_cache_dtype) -> EngineConfig:
                         enable_prefix_caching=rng.random() < 0.7, async_scheduling=rng.random() < 0.5)
 
 
-def drive(engine, rng, requests):
+def drive(engine, rng, requests, step=None):
     """Add the requests over the steps, abort some, and return {request id: ({sample: token ids}, {sample: finish
-    reason})} and the set of aborted ids."""
+    reason})} and the set of aborted ids. step: in place of engine.step."""
     pending = list(requests)
     tokens, reasons, aborted = {}, {}, set()
     modes = {rid: mode for rid, _, _, _, mode in requests}
@@ -111,7 +122,7 @@ def drive(engine, rng, requests):
             rid = rng.choice(live)
             engine.abort(rid)
             aborted.add(rid)
-        for out in engine.step():
+        for out in (step or engine.step)():
             rid = out.request_id
             assert rid not in reasons, f"{rid} reported after its final output"
             assert modes[rid] != "final_only" or out.finished
@@ -150,3 +161,57 @@ def test_random_workloads_give_every_request_what_it_gets_alone(seed, kv_cache_d
     bm = engine.block_manager
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+
+
+def interrupt_sometimes(rng, fn):
+    """fn that raises KeyboardInterrupt on about one call in four: before doing its work or after."""
+
+    def wrapped(*args, **kwargs):
+        if rng.random() < 1 / 8:
+            raise KeyboardInterrupt
+        result = fn(*args, **kwargs)
+        if rng.random() < 1 / 8:
+            raise KeyboardInterrupt
+        return result
+
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["schedule", "model run", "tokens to host"])
+@pytest.mark.parametrize("seed", range(8))
+def test_steps_interrupted_anywhere_lose_nothing(seed, where, alone_engines):
+    """A Ctrl-C may land anywhere in a step; the engine's other requests run on (a server's, or another thread's
+    generate). After the schedule, the block tables point at copy-on-write copies not done yet; after the model
+    run, sampled tokens have not reached their sequences. Greedy requests must still get what they get alone (a
+    seeded one may not: its generator has moved on), and no block may leak."""
+    rng = random.Random(100 + seed)
+    alone_engine = alone_engines("auto")
+    requests = random_requests(rng, alone_engine, 16, ns=(1, 2, 2, 3))  # forks: copy-on-write
+    engine = LLMEngine(random_config(rng, requests, "auto"))
+    faults = random.Random(seed)
+    if where == "schedule":
+        for name in ("schedule", "schedule_continuation"):
+            setattr(engine.scheduler, name, interrupt_sometimes(faults, getattr(engine.scheduler, name)))
+    elif where == "model run":
+        engine.runner.run = interrupt_sometimes(faults, engine.runner.run)
+    else:
+        engine._tokens_to_host = interrupt_sometimes(faults, engine._tokens_to_host)
+    interrupts = []
+
+    def step():
+        while True:
+            try:
+                return engine.step()
+            except KeyboardInterrupt:
+                interrupts.append(1)
+
+    got, aborted = drive(engine, rng, requests, step)
+    assert len(interrupts) >= 5
+    for rid, prompt, params, _, _ in requests:
+        ids, reasons = got[rid]
+        if params.temperature == 0 and rid not in aborted:
+            want_ids, want_reasons = run_alone(alone_engine, prompt, params)
+            assert [ids[i] for i in range(params.n)] == want_ids, f"{rid}: after interrupted steps, not as alone"
+            assert [reasons[i] for i in range(params.n)] == want_reasons
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
