@@ -217,26 +217,38 @@ def run_ppl(args) -> int:
                 traceback.print_exc()
                 rows.append(_error_row(config, f"{type(e).__name__}: {e}"))
         header, table = _ppl_header(meta, rows), report.ppl_table(rows)
-        chart = _write_results(out, "ppl", meta, rows, header, table, report.ppl_chart)
-        args.results_written = True
+        chart = _write_results(args, "ppl", meta, rows, header, table, report.ppl_chart)
     print("\n" + header + "\n\n" + table)
     print(f"\n[eval] wrote {out / 'ppl.json'}, {out / 'ppl.md'}" + (f", {chart}" if chart else ""))
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def _write_results(out, stem, meta, rows, header, table, draw, *extra):
-    """JSON, markdown table and chart of the rows so far, rewritten together after every configuration, so an
-    interrupted run leaves the three agreeing (not a new JSON beside an earlier run's table). Returns the chart,
-    or None where no row has a result to draw: an earlier run's chart is then removed, not left beside this run's
-    tables."""
+def _write_results(args, stem, meta, rows, header, table, draw, *extra):
+    """JSON, markdown table and chart of the rows so far, rewritten together after every configuration in args.out:
+    each is written beside its final name first (the chart takes seconds: matplotlib), then the three replace the
+    old ones with Ctrl-C held back, so an interrupted run leaves them agreeing (not a new JSON beside an earlier
+    run's chart) and args.results_written saying whether they are there. Returns the chart, or None where no row
+    has a result to draw: an earlier run's chart is then removed, not left beside this run's tables."""
     from eightbit.eval import report
+    from eightbit.quant.writer import signals_deferred
 
-    report.write_json(out / f"{stem}.json", {"meta": meta, "rows": rows})
-    (out / f"{stem}.md").write_text(header + "\n\n" + table + "\n")
-    chart = draw(rows, *extra, out / f"{stem}.png")
-    if chart is None:
-        (out / f"{stem}.png").unlink(missing_ok=True)
-    return chart
+    out = Path(args.out)
+    final = {ext: out / f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    staged = {ext: out / f"{stem}.partial.{ext}" for ext in final}
+    try:
+        report.write_json(staged["json"], {"meta": meta, "rows": rows})
+        staged["md"].write_text(header + "\n\n" + table + "\n")
+        chart = draw(rows, *extra, staged["png"])
+        with signals_deferred():
+            for ext in ("json", "md", "png") if chart is not None else ("json", "md"):
+                staged[ext].replace(final[ext])
+            if chart is None:
+                final["png"].unlink(missing_ok=True)
+            args.results_written = True
+    finally:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+    return None if chart is None else final["png"]
 
 
 def _ppl_header(meta, rows) -> str:
@@ -311,8 +323,7 @@ def run_tasks(args) -> int:
     def write():
         header = f"Zero-shot tasks, {meta['machine']}, {meta['date']}" + _note(meta)
         table = report.tasks_table(rows, tasks, meta["items"])
-        chart = _write_results(out, "tasks", meta, rows, header, table, report.tasks_chart, tasks)
-        args.results_written = True
+        chart = _write_results(args, "tasks", meta, rows, header, table, report.tasks_chart, tasks)
         return header, table, chart
 
     for config, scorer, load_s in _scorers(args, configs, max_model_len, data_dir):

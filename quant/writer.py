@@ -108,9 +108,9 @@ def _sigterm_unwinds():
 
 
 @contextmanager
-def _signals_deferred():
+def signals_deferred():
     """SIGINT, SIGTERM and SIGHUP arriving while the block runs take effect when it ends: a handler of ours notes
-    them and they are raised again once the previous handlers are back. Main thread only (the only one that may set
+    them and they are raised again once the previous handlers are back (also `eightbit eval`'s results). Main thread only (the only one that may set
     handlers; Python runs them there whichever thread the signal reached); a signal whose handler Python did not
     set is left alone."""
     if threading.current_thread() is not threading.main_thread():
@@ -195,7 +195,7 @@ def _replace(out: Path, tmp: Path) -> None:
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     swapped = False
     try:
-        with _signals_deferred():
+        with signals_deferred():
             os.rename(out, old / out.name)
             try:
                 os.rename(tmp, out)

@@ -180,6 +180,53 @@ def test_an_interrupted_run_leaves_its_json_table_and_chart_agreeing(tmp_path, m
     assert (tmp_path / "ppl.png").read_bytes().startswith(b"\x89PNG")
 
 
+PPL_ARGS = ["ppl", "--configs", "fp32", "--windows", "1", "--window-size", "48", "--device", "cpu",
+            "--kv-cache-memory-gb", "0.25", "--no-progress", "--overwrite"]
+
+
+def test_a_ctrl_c_while_the_chart_is_drawn_writes_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    """The chart takes seconds (matplotlib's import): an interrupt there left the JSON and the table without a chart,
+    beside a message that nothing was written. Now nothing of that configuration is, and an earlier run's three
+    files stay as they were."""
+    import eightbit.eval.report as report
+    from eightbit.eval.cli import main
+
+    earlier = {"ppl.json": '{"rows": []}', "ppl.md": "| an earlier run |", "ppl.png": "an earlier chart"}
+    for name, text in earlier.items():
+        (tmp_path / name).write_text(text)
+
+    def interrupted_chart(rows, path, **kw):
+        path.write_bytes(b"half a chart")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "ppl_chart", interrupted_chart)
+    assert main([*PPL_ARGS, "--out", str(tmp_path)]) == 130
+    assert f"interrupted; nothing had finished: nothing was written to {tmp_path}" in capsys.readouterr().err
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == earlier  # and no partial file beside them
+
+
+def test_a_ctrl_c_as_the_results_move_into_place_waits_for_all_three(tmp_path, monkeypatch, capsys):
+    import signal
+    from pathlib import Path
+
+    from eightbit.eval.cli import main
+
+    real_replace = Path.replace
+
+    def replace(self, target):
+        if Path(target).name == "ppl.md":  # between the JSON's move and the chart's
+            signal.raise_signal(signal.SIGINT)
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    assert main([*PPL_ARGS, "--out", str(tmp_path)]) == 130
+    assert f"interrupted; what finished before it is in {tmp_path}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ppl.json", "ppl.md", "ppl.png"]
+    assert [r["config"] for r in json.loads((tmp_path / "ppl.json").read_text())["rows"]] == ["fp32"]
+    assert "| fp32 |" in (tmp_path / "ppl.md").read_text()
+    assert (tmp_path / "ppl.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_no_window_is_an_error_before_any_model_loads(tmp_path, monkeypatch, capsys):
     import eightbit.eval.configs as configs
     from eightbit.eval.cli import main
