@@ -584,6 +584,40 @@ def test_bad_input_openai_error(server, path, body, status, param):
     assert err["message"] and err["param"] == param
 
 
+CHAT_X = {"messages": [{"role": "user", "content": "x"}]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {**CHAT_X, "tools": [TOOL]}, "tools"),
+    ("/v1/chat/completions", {**CHAT_X, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT_X, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, "messages.0.content"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a"]}, "guided_choice"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["a"]}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "length_penalty": 2.0}, "length_penalty"),
+    ("/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {**CHAT_X, "echo": True}, "echo"),
+])
+def test_what_the_server_does_not_do_is_refused_as_unsupported(server, path, body, param):
+    """docs/server.md: each is answered 400 unsupported_parameter (an image part had no code)."""
+    resp = post(server, path, {"model": MODEL, "max_tokens": 1, **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert (err["code"], err["param"]) == ("unsupported_parameter", param), err
+
+
 @pytest.mark.parametrize("path,body,param,words", [
     # render_chat's own arguments: Python's "got multiple values for argument" named messages before
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenizer": 1}},

@@ -507,7 +507,7 @@ def _content_text(content, i: int):
         field = _TEXT_PARTS.get(part.type)
         if field is None:
             raise APIError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                           param=f"messages.{i}.content")
+                           param=f"messages.{i}.content", code="unsupported_parameter")
         text = getattr(part, field)
         if text is None:
             raise APIError(f"messages[{i}].content[{j}]: a {part.type!r} part needs its {field!r} field",
