@@ -216,9 +216,10 @@ class LLMEngine:
         self.scheduler.add(request.seqs[0])
         return request
 
-    def check_request(self, prompt, params, priority=0):
+    def check_request(self, prompt, sampling_params, priority=0):
         """Raise what `add_request` would raise for this prompt and these SamplingParams; else return the
         prompt's (text or None, token ids). Changes nothing, the caller's SamplingParams included."""
+        params = sampling_params
         if isinstance(params, SamplingParams):
             params = copy.deepcopy(params)
         return self._check_request(prompt, params, priority)

@@ -514,6 +514,7 @@ def test_a_sampling_params_changed_while_its_request_runs_does_not_change_it(llm
     assert len(out.outputs) == 1 and len(out.outputs[0].token_ids) == 10
     params.n, params.stop_token_ids = 1, (5,)
     llm.engine.check_request("Hi", params)  # "changes nothing": it normalized the caller's tuple to a list
+    llm.engine.check_request(prompt="Hi", sampling_params=params, priority=0)  # add_request's names
     assert params.stop_token_ids == (5,)
     _assert_idle(llm.engine)
 
