@@ -69,7 +69,7 @@ def format_results(results) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.2-1b", help="a dummy shape (eightbit.engine.dummy)")
     p.add_argument("--requests", type=int, default=5120)
     p.add_argument("--batch", type=int, default=256, help="requests added at once; the next round when all end")
