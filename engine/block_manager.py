@@ -204,6 +204,8 @@ class BlockManager:
                 self._free[b] = None
                 if self._block_hash[b] is None:
                     self._free.move_to_end(b, last=False)
+        if self.copies_due:  # a copy into a block nobody reads any more must not land on its next owner
+            self.copies_due[:] = [(src, dst) for src, dst in self.copies_due if self._ref[dst] > 0]
 
     def mark_computed(self, seq_id, token_ids: list[int], num_computed_tokens: int) -> None:
         """The sequence's KV now exists for its first num_computed_tokens tokens: cache its full blocks.

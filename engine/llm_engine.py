@@ -31,6 +31,7 @@ from eightbit.engine.sampler import (
 from eightbit.engine.sampling_params import SamplingParams, is_int
 from eightbit.engine.scheduler import Scheduler
 from eightbit.engine.sequence import Request, Sequence
+from eightbit.engine.signals import signals_deferred
 from eightbit.engine.transfer import to_device
 from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme, head_dim
 
@@ -308,8 +309,13 @@ class LLMEngine:
         host, with those tokens as its input straight from the device. The GPU then runs it while
         the host detokenizes, checks stop conditions and builds outputs. A sequence that stops here
         (a stop token or string; length limits are known in advance) has its extra row dropped.
+
+        A Ctrl-C in the host's part (appending the tokens, stop checks, outputs) takes effect at its end, so that no
+        sequence is left with a token appended but not checked (it would run past its stop or length); the step's
+        outputs then come with the next step.
         """
         aborted, self._aborted = self._aborted, []
+        outputs = None
         try:
             launched, self._in_flight = self._in_flight, None
             if launched is not None and all(s.is_finished for s in launched.seqs):
@@ -321,21 +327,27 @@ class LLMEngine:
                 launched = self._launch(sched.scheduled)
             if self.config.async_scheduling:
                 self._in_flight = self._launch_continuation(launched)
-            return aborted + self._complete_step(launched)
+            tokens = self._tokens_to_host(launched)
+            with signals_deferred():
+                outputs = aborted + self._complete_step(launched, tokens)
+            return outputs
         except BaseException:  # a Ctrl-C or an error: the requests of other callers must still run on
-            self._copy_due_blocks(after_failure=True)
+            if outputs is not None:  # a Ctrl-C held back until the step completed: nothing to undo
+                self._aborted = outputs + self._aborted
+                raise
             self._aborted = aborted + self._aborted
             # a request that finished in this step before the failure still reports its end (its stream would wait)
             self._aborted += [self._output(r, {}) for r in list(self.requests.values()) if r.is_finished]
             self._resample_lost_tokens()
+            self._copy_due_blocks(after_failure=True)  # last: interrupted too, they stay due for the next launch
             raise
 
     def _resample_lost_tokens(self):
         """After a step that did not complete: a sequence counted as computed up to its last token has lost the
         token sampled from it (it never reached token_ids), so its last token runs again and samples anew (its KV is
         written again, the same up to rounding; a seeded generator has moved on, so the sample may differ). The
-        likely place for a Ctrl-C is the wait for the GPU (_tokens_to_host); one that lands inside the host's token
-        processing after it can leave a token appended but not detokenized."""
+        likely place for a Ctrl-C is the wait for the GPU (_tokens_to_host); the host's processing after it holds
+        Ctrl-C back (step)."""
         self._in_flight = None
         for seq in self.scheduler.running:
             if not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens:
@@ -345,7 +357,8 @@ class LLMEngine:
         """Do the copy-on-write copies the block manager has handed out (KVCache.copy_blocks): before every step,
         and at once after a step that failed, whose block tables point at the copies already, so that no copy is
         lost between the schedule and the model run. A copy done twice (an interrupt between the copy and the
-        clear) copies the same data: no step ran in between."""
+        clear) copies the same data: no step ran in between; a copy whose destination was freed meanwhile (its
+        request aborted) is dropped by the block manager."""
         due = self.block_manager.copies_due
         if not due:
             return
@@ -419,10 +432,9 @@ class LLMEngine:
         max_tokens = self.max_model_len if seq.params.max_tokens is None else seq.params.max_tokens
         return seq.num_output_tokens + 1 >= max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
-    def _complete_step(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Bring the step's tokens to the host, append them, register computed blocks, check stops."""
+    def _complete_step(self, launched: LaunchedStep, tokens: list[int]) -> list[RequestOutput]:
+        """Append the step's tokens (on the host: _tokens_to_host), register computed blocks, check stops."""
         live = [(i, s) for i, s in enumerate(launched.seqs) if not s.is_finished]
-        tokens = self._tokens_to_host(launched) if live else []
         logprob_dicts = None
         if launched.host_logprobs and live:
             ks = [s.params.logprobs or 0 for s in launched.seqs]
@@ -449,7 +461,10 @@ class LLMEngine:
                 if r.is_finished or not r.final_only or (r.first_token_output and r.request_id in started)]
 
     def _tokens_to_host(self, launched: LaunchedStep) -> list[int]:
-        """The step's sampled tokens as ints: where the host waits for the GPU to finish the step."""
+        """The step's sampled tokens as ints ([] if every sequence of it has finished since its launch): where the
+        host waits for the GPU to finish the step."""
+        if all(s.is_finished for s in launched.seqs):
+            return []
         if launched.ready is not None:
             launched.ready.synchronize()
         return launched.host_tokens.tolist()

@@ -60,7 +60,7 @@ class KVCache:
         scales = (None, None) if self.k_scale is None else (self.k_scale[i], self.v_scale[i])
         return self.k[i], self.v[i], *scales
 
-    @torch.no_grad()
+    @torch.inference_mode()  # the cache may be an inference tensor (an engine built under inference_mode)
     def copy_blocks(self, copies):
         """Copy-on-write: duplicate whole blocks (all layers) before a shared block is written."""
         src = to_device([s for s, _ in copies], torch.int64, self.k.device)

@@ -105,7 +105,8 @@ class Scheduler:
             return None
         out = SchedulerOutput()
         for seq in seqs:
-            self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + 1)
+            if self.block_manager.append_slots(seq.seq_id, seq.num_computed_tokens + 1) is None:
+                raise RuntimeError(f"no block for sequence {seq.seq_id}'s next token, though {len(seqs)} were free")
             out.scheduled.append((seq, 1))
         return out
 

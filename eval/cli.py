@@ -230,7 +230,7 @@ def _write_results(args, stem, meta, rows, header, table, draw, *extra):
     run's chart) and args.results_written saying whether they are there. Returns the chart, or None where no row
     has a result to draw: an earlier run's chart is then removed, not left beside this run's tables."""
     from eightbit.eval import report
-    from eightbit.quant.writer import signals_deferred
+    from eightbit.engine.signals import signals_deferred
 
     out = Path(args.out)
     final = {ext: out / f"{stem}.{ext}" for ext in ("json", "md", "png")}

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from eightbit.engine.gguf_cache import flush_to_disk
+from eightbit.engine.signals import signals_deferred
 from eightbit.quant.checkpoint_format import EIGHTBIT_KEY
 from eightbit.quant.errors import QuantizeError
 
@@ -105,27 +106,6 @@ def _sigterm_unwinds():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-@contextmanager
-def signals_deferred():
-    """SIGINT, SIGTERM and SIGHUP arriving while the block runs take effect when it ends: a handler of ours notes
-    them and they are raised again once the previous handlers are back (also `eightbit eval`'s results). Main thread only (the only one that may set
-    handlers; Python runs them there whichever thread the signal reached); a signal whose handler Python did not
-    set is left alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived = []
-    held = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is not None]
-    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in held}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in arrived:
-            signal.raise_signal(s)
 
 
 def _apply_umask(folder: Path) -> None:

@@ -7,6 +7,7 @@ alone on a roomy engine; an aborted one a prefix of those tokens. When the work 
 no sequence is left."""
 
 import random
+import signal
 
 import pytest
 import torch
@@ -160,30 +161,32 @@ def test_random_workloads_give_every_request_what_it_gets_alone(seed, kv_cache_d
 
     bm = engine.block_manager
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    assert bm.num_free_blocks == bm.num_blocks and not bm.copies_due, "KV blocks leaked"
 
 
-def interrupt_sometimes(rng, fn):
-    """fn that raises KeyboardInterrupt on about one call in four: before doing its work or after."""
+def interrupt_sometimes(rng, fn, rate=1 / 8):
+    """fn that sends this process a SIGINT (Ctrl-C) on some calls, before doing its work or after."""
 
     def wrapped(*args, **kwargs):
-        if rng.random() < 1 / 8:
-            raise KeyboardInterrupt
+        if rng.random() < rate:
+            signal.raise_signal(signal.SIGINT)
         result = fn(*args, **kwargs)
-        if rng.random() < 1 / 8:
-            raise KeyboardInterrupt
+        if rng.random() < rate:
+            signal.raise_signal(signal.SIGINT)
         return result
 
     return wrapped
 
 
-@pytest.mark.parametrize("where", ["schedule", "model run", "tokens to host"])
+@pytest.mark.parametrize("where", ["schedule", "model run", "tokens to host", "token checks"])
 @pytest.mark.parametrize("seed", range(8))
 def test_steps_interrupted_anywhere_lose_nothing(seed, where, alone_engines):
-    """A Ctrl-C may land anywhere in a step; the engine's other requests run on (a server's, or another thread's
-    generate). After the schedule, the block tables point at copy-on-write copies not done yet; after the model
-    run, sampled tokens have not reached their sequences. Greedy requests must still get what they get alone (a
-    seeded one may not: its generator has moved on), and no block may leak."""
+    """A Ctrl-C may land anywhere in a step; the engine's other requests run on (another call's generate or stream
+    in the same program). After the schedule, the block tables point at copy-on-write copies not done yet; after
+    the model run, sampled tokens have not reached their sequences; in the token checks, a token appended but not
+    checked would run its sequence past its stop or length (and past max_model_len: every later step failed).
+    Greedy requests must still get what they get alone (a seeded one may not: its generator has moved on), every
+    output must arrive (delta reports too), and no block may leak."""
     rng = random.Random(100 + seed)
     alone_engine = alone_engines("auto")
     requests = random_requests(rng, alone_engine, 16, ns=(1, 2, 2, 3))  # forks: copy-on-write
@@ -194,8 +197,10 @@ def test_steps_interrupted_anywhere_lose_nothing(seed, where, alone_engines):
             setattr(engine.scheduler, name, interrupt_sometimes(faults, getattr(engine.scheduler, name)))
     elif where == "model run":
         engine.runner.run = interrupt_sometimes(faults, engine.runner.run)
-    else:
+    elif where == "tokens to host":
         engine._tokens_to_host = interrupt_sometimes(faults, engine._tokens_to_host)
+    else:
+        engine._process_token = interrupt_sometimes(faults, engine._process_token, rate=1 / 40)
     interrupts = []
 
     def step():
@@ -215,3 +220,60 @@ def test_steps_interrupted_anywhere_lose_nothing(seed, where, alone_engines):
             assert [reasons[i] for i in range(params.n)] == want_reasons
     bm = engine.block_manager
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    assert not bm.copies_due
+
+
+def tiny_engine(**options) -> LLMEngine:
+    return LLMEngine(EngineConfig(**MODEL, block_size=4, num_kv_blocks=64, **options))
+
+
+GREEDY = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def test_an_engine_built_in_inference_mode_copies_on_write_outside_it(alone_engines):
+    """Its KV cache is made of inference tensors, which only inference mode may change in place: the copy-on-write
+    copy failed outside it, stayed due, and failed every later step."""
+    with torch.inference_mode():
+        engine = tiny_engine()
+    assert engine.runner.kv_cache.k.is_inference()
+    params = SamplingParams(n=2, **GREEDY)
+    got = run_alone(engine, [1, 2, 3, 4, 5], params)  # 5 tokens: the samples share a half-full block
+    assert got == run_alone(alone_engines("auto"), [1, 2, 3, 4, 5], params)
+
+
+def test_a_copy_that_failed_with_its_step_is_dropped_when_its_request_is_aborted(alone_engines):
+    """The copies fail at the launch and again in the failed step's handler (a transient device error), so they
+    stay due; the caller then aborts the request (as generate and the server do). Its blocks go back to the pool,
+    and its stale copy must not land on their next owner, beside that owner's own copy into the same block."""
+    engine = tiny_engine(max_num_batched_tokens=16, async_scheduling=False)
+    kv = engine.runner.kv_cache
+    engine.add_request("F", [1, 2, 3, 4, 5], SamplingParams(n=2, **GREEDY))
+    engine.add_request("R", [21, 22, 23, 24, 25], SamplingParams(n=4, **GREEDY))
+    engine.step()  # both prefilled and forked: each request's samples share their half-full second block
+    engine.scheduler.max_num_batched_tokens = 3  # the next step: F's two samples and R's first, each a copy
+    real_copy, calls, failures = kv.copy_blocks, [], [RuntimeError("a transient device error")] * 2
+
+    def copy_blocks(copies):
+        calls.append(list(copies))
+        if failures:
+            raise failures.pop()
+        return real_copy(copies)
+
+    kv.copy_blocks = copy_blocks
+    with pytest.raises(RuntimeError, match="transient"):
+        engine.step()
+    bm = engine.block_manager
+    due = list(bm.copies_due)
+    f_blocks = {b for seq in engine.requests["F"].seqs for b in bm.block_table(seq.seq_id)}
+    assert len(due) == 2 and sum(dst in f_blocks for _, dst in due) == 1  # F's first sample's copy, and R's
+    engine.abort("F")
+    assert bm.copies_due == [(src, dst) for src, dst in due if dst not in f_blocks]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step())
+    for copies in calls[2:]:
+        dsts = [dst for _, dst in copies]
+        assert len(dsts) == len(set(dsts)), f"two copies into one block: {copies}"
+    want = run_alone(alone_engines("auto"), [21, 22, 23, 24, 25], SamplingParams(n=4, **GREEDY))
+    assert [o.token_ids for o in sorted(outputs["R"].outputs, key=lambda o: o.index)] == want[0]
+    assert not bm.copies_due

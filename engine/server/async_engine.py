@@ -255,7 +255,7 @@ class AsyncEngine:
             "steps": self.steps,
             "busy_s": busy,
             "model_s": model_s,
-            "sample_s": seconds["_complete_step"] - seconds["_tokens_to_host"],
+            "sample_s": seconds["_complete_step"],
             "postprocess_s": seconds["_process_token"],
             "outside_model_ratio": (busy - model_s) / busy if busy > 0 else 0.0,
         }

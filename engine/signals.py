@@ -1,0 +1,31 @@
+"""Work that must run whole: SIGINT (Ctrl-C), SIGTERM and SIGHUP held back until it ends, then raised.
+
+Used where an interrupt halfway would leave things that disagree: a finished checkpoint moving into place
+(quant/writer.py), `eightbit eval`'s three result files (eval/cli.py), and the host's part of an engine step, which
+appends each sequence's new token and checks its stop conditions (llm_engine.LLMEngine.step).
+"""
+
+import signal
+import threading
+from contextlib import contextmanager
+
+
+@contextmanager
+def signals_deferred():
+    """SIGINT, SIGTERM and SIGHUP arriving while the block runs take effect when it ends: a handler of ours notes
+    them and they are raised again once the previous handlers are back. Main thread only (the only one that may set
+    handlers; Python runs them there whichever thread the signal reached); a signal ignored, or whose handler Python
+    did not set, is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    held = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) not in (None, signal.SIG_IGN)]
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in arrived:
+            signal.raise_signal(s)
