@@ -128,13 +128,13 @@ class LLM:
                 request_id = str(next(self._ids))
                 while request_id in self.engine.requests:  # one added straight to the engine has it
                     request_id = str(next(self._ids))
+                ids.append(request_id)  # before it is added: a Ctrl-C held back in add_request comes after that
                 self.engine.add_request(request_id, prompt, p, prio, final_only=final_only)
-                ids.append(request_id)
-        except Exception as e:
-            for request_id in ids:  # all or nothing: a bad prompt cancels the whole call
+        except BaseException as e:
+            for request_id in ids:  # all or nothing: a bad prompt (or Ctrl-C) cancels the whole call
                 self.engine.abort(request_id, report=False)
             if len(prompts) > 1 and type(e) in (ValueError, TypeError):  # say which of them
-                raise type(e)(f"prompts[{len(ids)}]: {e}") from e
+                raise type(e)(f"prompts[{len(ids) - 1}]: {e}") from e
             raise
         return ids
 

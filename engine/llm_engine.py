@@ -213,8 +213,9 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, int(priority), time.monotonic(), final_only, delta,
                           first_token_output)
         self._init_sequence(request.seqs[0])
-        self.requests[request_id] = request
-        self.scheduler.add(request.seqs[0])
+        with signals_deferred():  # known to the engine and to the scheduler, or to neither
+            self.requests[request_id] = request
+            self.scheduler.add(request.seqs[0])
         return request
 
     def check_request(self, prompt, sampling_params, priority=0):
@@ -282,15 +283,16 @@ class LLMEngine:
         """Stop a request now; its KV blocks go back to the pool at once. Unknown ids are ignored. report: the next
         step() returns its final output (finish_reason "abort" for the samples it stopped), as for any request
         that ends; False for a caller that has stopped listening."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        for seq in request.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
-        if report:
-            self._aborted.append(self._output(request, {}))
+        with signals_deferred():  # generate and stream abort in their clean-up, where a second Ctrl-C may come
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                return
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+            if report:
+                self._aborted.append(self._output(request, {}))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
@@ -310,9 +312,10 @@ class LLMEngine:
         the host detokenizes, checks stop conditions and builds outputs. A sequence that stops here
         (a stop token or string; length limits are known in advance) has its extra row dropped.
 
-        A Ctrl-C in the host's part (appending the tokens, stop checks, outputs) takes effect at its end, so that no
-        sequence is left with a token appended but not checked (it would run past its stop or length); the step's
-        outputs then come with the next step.
+        A Ctrl-C in the host's bookkeeping (scheduling; appending the tokens, stop checks, outputs) takes effect at
+        its end, so that no sequence is left half scheduled, or with a token appended but not checked (it would run
+        past its stop or length); the step's outputs then come with the next step. The model run and the wait for
+        the GPU stay interruptible.
         """
         aborted, self._aborted = self._aborted, []
         outputs = None
@@ -321,7 +324,8 @@ class LLMEngine:
             if launched is not None and all(s.is_finished for s in launched.seqs):
                 launched = None  # every sequence of it stopped or was aborted after it was launched
             if launched is None:
-                sched = self.scheduler.schedule()
+                with signals_deferred():  # the scheduler and the block manager change together
+                    sched = self.scheduler.schedule()
                 if not sched.scheduled:
                     return aborted
                 launched = self._launch(sched.scheduled)
@@ -381,7 +385,8 @@ class LLMEngine:
         for seq, entries in result.prompt_logprobs.items():
             for index, entry in entries:
                 seq.request.prompt_logprobs[index] = entry
-        seqs, rows = self._fork_and_rows(result.sample_seqs)
+        with signals_deferred():  # a request's samples fork together
+            seqs, rows = self._fork_and_rows(result.sample_seqs)
         if not seqs:
             return LaunchedStep(scheduled, [], None)
         logits = result.logits
@@ -419,7 +424,8 @@ class LLMEngine:
         if not keep:
             return None
         seqs = [launched.seqs[i] for i in keep]
-        sched = self.scheduler.schedule_continuation(seqs, launched.seqs)
+        with signals_deferred():
+            sched = self.scheduler.schedule_continuation(seqs, launched.seqs)
         if sched is None:
             return None
         tokens = launched.tokens

@@ -429,6 +429,38 @@ def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     assert streamed == [0, 0, 0]
 
 
+def test_a_ctrl_c_while_a_prompt_is_added_leaves_none_of_the_call_s_requests(llm, monkeypatch):
+    """The engine adds a request whole (to its requests and the scheduler's queue) and raises a Ctrl-C that came
+    meanwhile after that; generate then aborts that request too, though add_request never returned its id."""
+    import signal
+
+    engine = llm.engine
+    add, calls = engine.scheduler.add, []
+
+    def add_then_interrupt(seq):
+        calls.append(seq)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return add(seq)
+
+    monkeypatch.setattr(engine.scheduler, "add", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5), use_tqdm=False)
+    monkeypatch.undo()
+    assert len(calls) == 2
+    _assert_idle(engine)
+    # straight to the engine: the request is all there (and runs to its end), not in its requests alone
+    calls.clear()
+    monkeypatch.setattr(engine.scheduler, "add", add_then_interrupt)
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=2))
+    with pytest.raises(KeyboardInterrupt):
+        engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=2))
+    monkeypatch.undo()
+    finished = [out.request_id for _ in range(20) for out in engine.step() if out.finished]
+    assert sorted(finished) == ["a", "b"]
+    _assert_idle(engine)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_ctrl_c_inside_one_call_leaves_the_other_calls_requests_running(llm, monkeypatch, async_scheduling):
     """A Ctrl-C that lands while a step's tokens come to the host (where the host waits on a GPU) lost the token

@@ -192,9 +192,11 @@ def test_steps_interrupted_anywhere_lose_nothing(seed, where, alone_engines):
     requests = random_requests(rng, alone_engine, 16, ns=(1, 2, 2, 3))  # forks: copy-on-write
     engine = LLMEngine(random_config(rng, requests, "auto"))
     faults = random.Random(seed)
-    if where == "schedule":
+    if where == "schedule":  # and inside it: the block manager's changes (fork: when a prompt's samples fork)
         for name in ("schedule", "schedule_continuation"):
             setattr(engine.scheduler, name, interrupt_sometimes(faults, getattr(engine.scheduler, name)))
+        for name in ("allocate", "append_slots", "fork"):
+            setattr(engine.block_manager, name, interrupt_sometimes(faults, getattr(engine.block_manager, name)))
     elif where == "model run":
         engine.runner.run = interrupt_sometimes(faults, engine.runner.run)
     elif where == "tokens to host":
