@@ -31,7 +31,7 @@ from eightbit.engine.sampler import (
 from eightbit.engine.sampling_params import SamplingParams, is_int
 from eightbit.engine.scheduler import Scheduler
 from eightbit.engine.sequence import Request, Sequence
-from eightbit.engine.signals import signals_deferred
+from eightbit.engine.signals import CTRL_C, signals_deferred
 from eightbit.engine.transfer import to_device
 from eightbit.quant.schemes import DEFAULT_KV_GROUP_SIZE, KVCacheScheme, head_dim
 
@@ -213,7 +213,7 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, int(priority), time.monotonic(), final_only, delta,
                           first_token_output)
         self._init_sequence(request.seqs[0])
-        with signals_deferred():  # known to the engine and to the scheduler, or to neither
+        with signals_deferred(CTRL_C):  # known to the engine and to the scheduler, or to neither
             self.requests[request_id] = request
             self.scheduler.add(request.seqs[0])
         return request
@@ -283,7 +283,7 @@ class LLMEngine:
         """Stop a request now; its KV blocks go back to the pool at once. Unknown ids are ignored. report: the next
         step() returns its final output (finish_reason "abort" for the samples it stopped), as for any request
         that ends; False for a caller that has stopped listening."""
-        with signals_deferred():  # generate and stream abort in their clean-up, where a second Ctrl-C may come
+        with signals_deferred(CTRL_C):  # generate and stream abort in their clean-up, where a second Ctrl-C may come
             request = self.requests.pop(request_id, None)
             if request is None:
                 return
@@ -324,7 +324,7 @@ class LLMEngine:
             if launched is not None and all(s.is_finished for s in launched.seqs):
                 launched = None  # every sequence of it stopped or was aborted after it was launched
             if launched is None:
-                with signals_deferred():  # the scheduler and the block manager change together
+                with signals_deferred(CTRL_C):  # the scheduler and the block manager change together
                     sched = self.scheduler.schedule()
                 if not sched.scheduled:
                     return aborted
@@ -332,7 +332,7 @@ class LLMEngine:
             if self.config.async_scheduling:
                 self._in_flight = self._launch_continuation(launched)
             tokens = self._tokens_to_host(launched)
-            with signals_deferred():
+            with signals_deferred(CTRL_C):
                 outputs = aborted + self._complete_step(launched, tokens)
             return outputs
         except BaseException:  # a Ctrl-C or an error: the requests of other callers must still run on
@@ -385,7 +385,7 @@ class LLMEngine:
         for seq, entries in result.prompt_logprobs.items():
             for index, entry in entries:
                 seq.request.prompt_logprobs[index] = entry
-        with signals_deferred():  # a request's samples fork together
+        with signals_deferred(CTRL_C):  # a request's samples fork together
             seqs, rows = self._fork_and_rows(result.sample_seqs)
         if not seqs:
             return LaunchedStep(scheduled, [], None)
@@ -424,7 +424,7 @@ class LLMEngine:
         if not keep:
             return None
         seqs = [launched.seqs[i] for i in keep]
-        with signals_deferred():
+        with signals_deferred(CTRL_C):
             sched = self.scheduler.schedule_continuation(seqs, launched.seqs)
         if sched is None:
             return None

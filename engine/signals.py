@@ -1,26 +1,31 @@
 """Work that must run whole: SIGINT (Ctrl-C), SIGTERM and SIGHUP held back until it ends, then raised.
 
 Used where an interrupt halfway would leave things that disagree: a finished checkpoint moving into place
-(quant/writer.py), `eightbit eval`'s three result files (eval/cli.py), and the host's part of an engine step, which
-appends each sequence's new token and checks its stop conditions (llm_engine.LLMEngine.step).
+(quant/writer.py), `eightbit eval`'s three result files (eval/cli.py), and the engine's bookkeeping around each
+step: scheduling, forking samples, appending each sequence's new token and checking its stop conditions
+(llm_engine.LLMEngine).
 """
 
 import signal
 import threading
 from contextlib import contextmanager
 
+ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a service stopped, the terminal closed
+CTRL_C = (signal.SIGINT,)
+
 
 @contextmanager
-def signals_deferred():
-    """SIGINT, SIGTERM and SIGHUP arriving while the block runs take effect when it ends: a handler of ours notes
-    them and they are raised again once the previous handlers are back. Main thread only (the only one that may set
-    handlers; Python runs them there whichever thread the signal reached); a signal ignored, or whose handler Python
-    did not set, is left alone."""
+def signals_deferred(signals=ENDING_SIGNALS):
+    """The signals arriving while the block runs take effect when it ends: a handler of ours notes them and they are
+    raised again once the previous handlers are back. Main thread only (the only one that may set handlers; Python
+    runs them there whichever thread the signal reached); a signal ignored, or whose handler Python did not set, is
+    left alone. (The engine holds back SIGINT alone, 2-3x cheaper, at every step: SIGTERM and SIGHUP end the
+    process there, which leaves nothing of it to keep consistent.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     arrived = []
-    held = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) not in (None, signal.SIG_IGN)]
+    held = [s for s in signals if signal.getsignal(s) not in (None, signal.SIG_IGN)]
     previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in held}
     try:
         yield
