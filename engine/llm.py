@@ -11,6 +11,7 @@ from eightbit.engine.chat import render_chat
 from eightbit.engine.config import EngineConfig
 from eightbit.engine.llm_engine import LLMEngine
 from eightbit.engine.sampling_params import SamplingParams
+from eightbit.engine.signals import CTRL_C, signals_deferred
 
 
 class LLM:
@@ -101,8 +102,9 @@ class LLM:
         finally:
             for request_id in ids:
                 self._inboxes.pop(request_id, None)
-            for request_id in unfinished:
-                self.engine.abort(request_id, report=False)
+            with signals_deferred(CTRL_C):  # a second Ctrl-C must not leave some of them running unowned
+                for request_id in unfinished:
+                    self.engine.abort(request_id, report=False)
 
     def chat(self, messages, sampling_params=None, use_tqdm=True):
         """messages: one conversation (a list of {"role", "content"}) or a list of them."""
@@ -131,8 +133,9 @@ class LLM:
                 ids.append(request_id)  # before it is added: a Ctrl-C held back in add_request comes after that
                 self.engine.add_request(request_id, prompt, p, prio, final_only=final_only)
         except BaseException as e:
-            for request_id in ids:  # all or nothing: a bad prompt (or Ctrl-C) cancels the whole call
-                self.engine.abort(request_id, report=False)
+            with signals_deferred(CTRL_C):  # all or nothing: a bad prompt (or Ctrl-C) cancels the whole call
+                for request_id in ids:
+                    self.engine.abort(request_id, report=False)
             if len(prompts) > 1 and type(e) in (ValueError, TypeError):  # say which of them
                 raise type(e)(f"prompts[{len(ids) - 1}]: {e}") from e
             raise

@@ -284,6 +284,8 @@ class LLMEngine:
         step() returns its final output (finish_reason "abort" for the samples it stopped), as for any request
         that ends; False for a caller that has stopped listening."""
         with signals_deferred(CTRL_C):  # generate and stream abort in their clean-up, where a second Ctrl-C may come
+            if not report:  # nor the outputs of a step that a Ctrl-C ended (step keeps them for the next)
+                self._aborted = [out for out in self._aborted if out.request_id != request_id]
             request = self.requests.pop(request_id, None)
             if request is None:
                 return
@@ -385,8 +387,7 @@ class LLMEngine:
         for seq, entries in result.prompt_logprobs.items():
             for index, entry in entries:
                 seq.request.prompt_logprobs[index] = entry
-        with signals_deferred(CTRL_C):  # a request's samples fork together
-            seqs, rows = self._fork_and_rows(result.sample_seqs)
+        seqs, rows = self._fork_and_rows(result.sample_seqs)
         if not seqs:
             return LaunchedStep(scheduled, [], None)
         logits = result.logits
@@ -482,13 +483,14 @@ class LLMEngine:
             request = seq.request
             family = [seq]
             if len(request.seqs) < request.params.n:
-                for index in range(1, request.params.n):
-                    child = seq.fork(index)
-                    self._init_sequence(child)
-                    self.block_manager.fork(seq.seq_id, child.seq_id)
-                    self.scheduler.add_running(child)
-                    request.seqs.append(child)
-                    family.append(child)
+                with signals_deferred(CTRL_C):  # a request's samples fork together
+                    for index in range(1, request.params.n):
+                        child = seq.fork(index)
+                        self._init_sequence(child)
+                        self.block_manager.fork(seq.seq_id, child.seq_id)
+                        self.scheduler.add_running(child)
+                        request.seqs.append(child)
+                        family.append(child)
             seqs += family
             rows += [row] * len(family)
         return seqs, rows

@@ -30,7 +30,10 @@ def signals_deferred(signals=ENDING_SIGNALS):
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in arrived:
+        # SIGINT's handler back last and SIGINT raised last: a Ctrl-C coming now ends this block at once, which
+        # must find the other handlers back (one left with our recorder would ignore its signal for good) and the
+        # other signals raised
+        for s in sorted(previous, key=lambda s: s == signal.SIGINT):
+            signal.signal(s, previous[s])
+        for s in sorted(set(arrived), key=lambda s: s == signal.SIGINT):
             signal.raise_signal(s)

@@ -246,7 +246,7 @@ def _write_results(args, stem, meta, rows, header, table, draw, *extra):
                 final["png"].unlink(missing_ok=True)
             args.results_written = True
     finally:
-        for path in staged.values():
+        for path in (*staged.values(), report.temp_path(staged["json"])):
             path.unlink(missing_ok=True)
     return None if chart is None else final["png"]
 

@@ -110,11 +110,16 @@ def tasks_table(rows, tasks, items=None) -> str:
     return "\n".join(lines) + ("\n\n" + ", ".join(sizes) if sizes else "")
 
 
+def temp_path(path: Path) -> Path:
+    """Where write_json writes `path` before it replaces it."""
+    return path.with_suffix(path.suffix + ".tmp")
+
+
 def write_json(path, payload) -> Path:
     """Strict JSON (NaN, e.g. the standard error of one item, becomes null), replacing `path` in one step."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = temp_path(path)
     tmp.write_text(json.dumps(_finite(payload), indent=1, default=str, allow_nan=False))
     tmp.replace(path)
     return path

@@ -135,7 +135,8 @@ def atomic_output_dir(out, overwrite: bool = False):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
-        _move_into_place(tmp, out, overwrite)
+        with _sigterm_unwinds():  # a SIGTERM held back during the swap then still lets _replace remove the old one
+            _move_into_place(tmp, out, overwrite)
     except KeyboardInterrupt:
         if tmp.exists():  # not moved: out is as it was, and nothing is left behind
             shutil.rmtree(tmp, ignore_errors=True)

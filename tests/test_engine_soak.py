@@ -279,3 +279,25 @@ def test_a_copy_that_failed_with_its_step_is_dropped_when_its_request_is_aborted
     want = run_alone(alone_engines("auto"), [21, 22, 23, 24, 25], SamplingParams(n=4, **GREEDY))
     assert [o.token_ids for o in sorted(outputs["R"].outputs, key=lambda o: o.index)] == want[0]
     assert not bm.copies_due
+
+
+def test_a_request_aborted_unheard_after_a_held_ctrl_c_leaves_no_output_behind():
+    """A Ctrl-C held in a step's token checks keeps the step's outputs for the next step; a caller that then aborts
+    its request without a report (a stream's clean-up) must not leave that output behind: the engine would not be
+    idle, and the next step would report a request that no longer exists."""
+    engine = tiny_engine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    real = engine._process_token
+
+    def interrupted(seq, token):
+        signal.raise_signal(signal.SIGINT)
+        return real(seq, token)
+
+    engine._process_token = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine._process_token = real
+    assert engine.has_unfinished_requests()  # a's output of that step, kept
+    engine.abort("a", report=False)
+    assert not engine.has_unfinished_requests() and engine.step() == []

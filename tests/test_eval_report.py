@@ -205,6 +205,24 @@ def test_a_ctrl_c_while_the_chart_is_drawn_writes_nothing_and_says_so(tmp_path, 
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == earlier  # and no partial file beside them
 
 
+def test_a_ctrl_c_while_the_json_is_written_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    from eightbit.eval.cli import main
+
+    real_replace = Path.replace
+
+    def replace(self, target):
+        if Path(target).name == "ppl.partial.json":  # write_json's own temporary file is in place
+            raise KeyboardInterrupt
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    assert main([*PPL_ARGS, "--out", str(tmp_path)]) == 130
+    assert "nothing was written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_ctrl_c_as_the_results_move_into_place_waits_for_all_three(tmp_path, monkeypatch, capsys):
     import signal
     from pathlib import Path

@@ -358,6 +358,48 @@ def test_ctrl_c_while_replacing_an_output_says_out_is_untouched(tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "q", "src"]
 
 
+SIGTERM_DURING_THE_SWAP = """
+import os, signal, sys
+from pathlib import Path
+from eightbit.cli import main
+from eightbit.quant import writer
+out, rename = Path(sys.argv[1]), os.rename
+
+def interrupted_rename(a, b):  # the old checkpoint moved aside: systemd stops the service now
+    rename(a, b)
+    if Path(a) == out:
+        signal.raise_signal(signal.SIGTERM)
+
+writer.os.rename = interrupted_rename
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_sigterm_during_the_swap_leaves_the_new_checkpoint_and_nothing_else(tmp_path):
+    """SIGTERM (its default action: the process ends) is held back while the new checkpoint replaces the old one;
+    raised after the two renames it ended the process before the old checkpoint, moved aside, was removed. (A
+    process of its own: the default action would end pytest.)"""
+    import subprocess
+    import sys
+
+    from eightbit.quant.checkpoint_format import read_calibration_summary
+
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    out = tmp_path / "q"
+    argv = ["quantize", str(src), str(out), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
+            "--no-progress", "--overwrite"]
+    from eightbit.cli import main
+
+    assert main(argv + ["--alpha", "0.25"]) == 0
+    run = subprocess.run([sys.executable, "-c", SIGTERM_DURING_THE_SWAP, str(out), *argv, "--alpha", "0.75"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr
+    assert read_calibration_summary(json.loads((out / "config.json").read_text()))["alpha"] == 0.75
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "q", "src"]
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_ctrl_c_as_the_new_output_moves_in_says_out_holds_it(tmp_path, capsys, monkeypatch, overwrite):
     """A Ctrl-C that lands as the finished checkpoint moves to OUT (held back during a swap, or just after a rename):

@@ -1,0 +1,83 @@
+"""engine/signals.py: work that must run whole holds SIGINT, SIGTERM and SIGHUP back, then raises them."""
+
+import signal
+import threading
+
+import pytest
+
+from eightbit.engine.signals import CTRL_C, signals_deferred
+
+
+def test_a_ctrl_c_in_the_block_comes_after_it():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+            done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_nested_blocks_raise_once_at_the_outer_end():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred(CTRL_C):
+            with signals_deferred(CTRL_C):
+                signal.raise_signal(signal.SIGINT)
+            done.append("after the inner block")
+    assert done == ["after the inner block"]
+
+
+def test_other_handlers_are_back_and_their_signals_raised_before_a_ctrl_c():
+    """A Ctrl-C raised at the end must find every other handler back (one left with the block's recorder would
+    ignore its signal for good) and the other signals delivered first."""
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_deferred():
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGTERM)
+                signal.raise_signal(signal.SIGHUP)
+                assert seen == []
+        assert sorted(seen) == sorted([signal.SIGTERM, signal.SIGHUP])  # before the KeyboardInterrupt
+        assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGHUP) is handler
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def test_an_ignored_ctrl_c_stays_ignored_and_a_handler_of_the_caller_s_runs_once_after():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+        seen = []
+        signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+        with signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+            assert seen == []
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_off_the_main_thread_nothing_is_held():
+    """(Only the main thread may set handlers; Python runs them there.)"""
+    errors = []
+
+    def work():
+        try:
+            with signals_deferred():
+                pass
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert errors == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
