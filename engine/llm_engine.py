@@ -221,10 +221,9 @@ class LLMEngine:
     def check_request(self, prompt, sampling_params, priority=0):
         """Raise what `add_request` would raise for this prompt and these SamplingParams; else return the
         prompt's (text or None, token ids). Changes nothing, the caller's SamplingParams included."""
-        params = sampling_params
-        if isinstance(params, SamplingParams):
-            params = copy.deepcopy(params)
-        return self._check_request(prompt, params, priority)
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = copy.deepcopy(sampling_params)
+        return self._check_request(prompt, sampling_params, priority)
 
     def _check_request(self, prompt, params, priority):
         """check_request on params that may be normalized in place (validate() does)."""

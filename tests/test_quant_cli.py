@@ -12,6 +12,14 @@ from eightbit.quant import cli
 from eightbit.quant.testing import make_tiny_checkpoint, make_tiny_tokenizer, tiny_text
 
 
+def tiny_source(tmp_path, num_hidden_layers=1):
+    """A tiny checkpoint to quantize and a calibration text for it: (its folder, the text's path)."""
+    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=num_hidden_layers)
+    calib = tmp_path / "c.txt"
+    calib.write_text(tiny_text(50))
+    return src, calib
+
+
 def parse(argv):
     parser = argparse.ArgumentParser(prog="eightbit")
     cli.add_quantize_parser(parser.add_subparsers(dest="command", required=True))
@@ -114,9 +122,7 @@ def test_group_size_is_checked_against_a_gguf_head_dim_before_its_weights_load(t
 
 
 def test_run_end_to_end_and_errors(tmp_path, capsys):
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path)
     argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
             "--alpha", "0.5", "--kv-group-size", "16", "--no-progress"]
     assert cli.run_quantize(parse(argv)) == 0
@@ -173,9 +179,7 @@ def test_the_python_apis_conversion_options_are_checked_before_the_model_loads(t
 
 
 def test_a_file_at_out_is_named_as_such_and_leftovers_of_a_killed_run_are_pointed_out(tmp_path, capsys):
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path)
     (tmp_path / "afile").write_text("mine")
     for extra in ([], ["--overwrite"]):  # no advice to pass --overwrite, which would refuse it anyway
         assert cli.run_quantize(parse([str(src), str(tmp_path / "afile"), "--calib-data", str(calib)] + extra)) == 2
@@ -197,9 +201,7 @@ def test_a_full_disk_while_writing_the_config_or_tokenizer_is_a_clear_error(tmp_
 
     from transformers import PreTrainedTokenizerBase
 
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path)
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -217,9 +219,7 @@ def test_the_layer_bar_shows_a_layers_alphas_beside_its_own_count(tmp_path, caps
     ("0/2 ... qkv=0.5" after the first layer, review_s58_doors)."""
     import re
 
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=2)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path, num_hidden_layers=2)
     argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
             "--alpha", "0.5"]
     assert cli.run_quantize(parse(argv)) == 0
@@ -299,9 +299,7 @@ def test_a_quiet_run_reports_the_errors_the_checkpoint_records(tmp_path, capsys)
     smoothing point's error unsmoothed -> smoothed, as config.json records them."""
     import re
 
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=2)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path, num_hidden_layers=2)
     argv = [str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
             "--no-progress"]
     capsys.readouterr()  # make_tiny_checkpoint's own bar
@@ -338,9 +336,7 @@ def test_ctrl_c_while_replacing_an_output_says_out_is_untouched(tmp_path, capsys
 
     from eightbit.cli import main
 
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path)
     argv = ["quantize", str(src), str(tmp_path / "q"), "--calib-data", str(calib), "--num-samples", "2",
             "--seq-len", "32", "--no-progress"]
     assert main(argv) == 0
@@ -384,9 +380,7 @@ def test_a_sigterm_during_the_swap_leaves_the_new_checkpoint_and_nothing_else(tm
 
     from eightbit.quant.checkpoint_format import read_calibration_summary
 
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path)
     out = tmp_path / "q"
     argv = ["quantize", str(src), str(out), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
             "--no-progress", "--overwrite"]
@@ -408,9 +402,7 @@ def test_ctrl_c_as_the_new_output_moves_in_says_out_holds_it(tmp_path, capsys, m
     from eightbit.quant import writer
     from eightbit.quant.checkpoint_format import read_calibration_summary
 
-    src = make_tiny_checkpoint(tmp_path / "src", tokenizer=make_tiny_tokenizer(), num_hidden_layers=1)
-    calib = tmp_path / "c.txt"
-    calib.write_text(tiny_text(50))
+    src, calib = tiny_source(tmp_path)
     out = tmp_path / "q"
     argv = ["quantize", str(src), str(out), "--calib-data", str(calib), "--num-samples", "2", "--seq-len", "32",
             "--no-progress"]
