@@ -65,8 +65,13 @@ class LLM:
                                   "sampling params", SamplingParams)
         priorities = self._per_prompt(0 if priority is None else priority, len(prompts), "priorities",
                                       numbers.Integral)
-        for prompt, p, prio in zip(prompts, params, priorities):
-            self.engine.check_request(prompt, p, prio)
+        for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities)):
+            try:
+                self.engine.check_request(prompt, p, prio)
+            except (ValueError, TypeError) as e:
+                if named := _naming_the_prompt(e, i, len(prompts)):
+                    raise named from e
+                raise
         return self._stream(prompts, params, priorities)
 
     def _stream(self, prompts, params, priorities):
@@ -136,8 +141,8 @@ class LLM:
             with signals_deferred(CTRL_C):  # all or nothing: a bad prompt (or Ctrl-C) cancels the whole call
                 for request_id in ids:
                     self.engine.abort(request_id, report=False)
-            if len(prompts) > 1 and type(e) in (ValueError, TypeError):  # say which of them
-                raise type(e)(f"prompts[{len(ids) - 1}]: {e}") from e
+            if named := _naming_the_prompt(e, len(ids) - 1, len(prompts)):
+                raise named from e
             raise
         return ids
 
@@ -174,6 +179,12 @@ class LLM:
             if not isinstance(v, kind) or isinstance(v, bool):
                 raise TypeError(f"{what}[{i}] must be {_kind_name(kind)}, got {type(v).__name__}")
         return list(value)
+
+
+def _naming_the_prompt(e, i, n):
+    """The error e of prompts[i] saying which of the n it is (among thousands the user must find the bad one); None
+    where there is one prompt, or where a new exception would change e's type (a subclass of ValueError)."""
+    return type(e)(f"prompts[{i}]: {e}") if n > 1 and type(e) in (ValueError, TypeError) else None
 
 
 def _kind_name(kind) -> str:

@@ -612,10 +612,14 @@ def test_malformed_prompts_are_refused_not_misread(llm, prompts, error, message)
     (["ok", "x" * 50000], ValueError, r"^prompts\[1\]: prompt of \d+ tokens leaves no room"),
     (["ok", 5], TypeError, r"^prompts\[1\]: a prompt must be a str.* got int"),
 ])
-def test_the_bad_prompt_of_a_list_is_named_by_its_index(llm, prompts, error, message):
-    """Among thousands of prompts the user must find the bad one."""
+@pytest.mark.parametrize("door", ["generate", "stream"])
+def test_the_bad_prompt_of_a_list_is_named_by_its_index(llm, prompts, error, message, door):
+    """Among thousands of prompts the user must find the bad one (stream raises from the call itself)."""
     with pytest.raises(error, match=message):
-        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+        if door == "generate":
+            llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+        else:
+            llm.stream(prompts, SamplingParams(max_tokens=2))
     _assert_idle(llm.engine)
 
 

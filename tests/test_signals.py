@@ -1,6 +1,8 @@
-"""engine/signals.py: work that must run whole holds SIGINT, SIGTERM and SIGHUP back, then raises them."""
+"""engine/signals.py: work that must run whole holds SIGINT, SIGTERM and SIGHUP back, then delivers them to their handlers."""
 
+import asyncio
 import signal
+import sys
 import threading
 
 import pytest
@@ -81,3 +83,36 @@ def test_off_the_main_thread_nothing_is_held():
     thread.start()
     thread.join()
     assert errors == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_asyncio_signal_callback_runs_once():
+    """asyncio's add_signal_handler hears a signal through a wakeup fd, written as the signal arrives, in the block:
+    delivering it again at the end would run the loop's callback twice."""
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, calls.append, "ctrl-c")
+        try:
+            with signals_deferred(CTRL_C):
+                signal.raise_signal(signal.SIGINT)
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+
+    asyncio.run(main())
+    assert calls == ["ctrl-c"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_held_signal_s_handler_gets_the_frame_it_arrived_in():
+    frames = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: frames.append(frame))
+    try:
+        with signals_deferred(CTRL_C):
+            signal.raise_signal(signal.SIGINT)
+            here = sys._getframe()
+        assert frames == [here]
+    finally:
+        signal.signal(signal.SIGINT, previous)
