@@ -344,7 +344,7 @@ class LLMEngine:
             # a request that finished in this step before the failure still reports its end (its stream would wait)
             self._aborted += [self._output(r, {}) for r in list(self.requests.values()) if r.is_finished]
             self._resample_lost_tokens()
-            self._copy_due_blocks(after_failure=True)  # last: interrupted too, they stay due for the next launch
+            self._copy_due_blocks(after_failure=True)  # last: if they fail too, they stay due for the next launch
             raise
 
     def _resample_lost_tokens(self):
@@ -361,19 +361,20 @@ class LLMEngine:
     def _copy_due_blocks(self, after_failure=False):
         """Do the copy-on-write copies the block manager has handed out (KVCache.copy_blocks): before every step,
         and at once after a step that failed, whose block tables point at the copies already, so that no copy is
-        lost between the schedule and the model run. A copy done twice (an interrupt between the copy and the
-        clear) copies the same data: no step ran in between; a copy whose destination was freed meanwhile (its
-        request aborted) is dropped by the block manager."""
+        lost between the schedule and the model run. The copies and their clearing hold Ctrl-C back: a batch done
+        twice could copy a block that an earlier copy of it had already overwritten. A copy whose destination was
+        freed meanwhile (its request aborted) is dropped by the block manager."""
         due = self.block_manager.copies_due
         if not due:
             return
-        try:
-            self.runner.kv_cache.copy_blocks(due)
-        except Exception:
-            if not after_failure:
-                raise
-            return  # the device itself failed (the step's own error follows); the copies stay due
-        due.clear()
+        with signals_deferred(CTRL_C):
+            try:
+                self.runner.kv_cache.copy_blocks(due)
+            except Exception:
+                if not after_failure:
+                    raise
+                return  # the device itself failed (the step's own error follows); the copies stay due
+            due.clear()
 
     def _launch(self, scheduled, input_tokens=None) -> LaunchedStep:
         """Run the model, count the new tokens as computed, fork the n > 1 samples of prompts that just finished

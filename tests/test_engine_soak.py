@@ -281,6 +281,39 @@ def test_a_copy_that_failed_with_its_step_is_dropped_when_its_request_is_aborted
     assert not bm.copies_due
 
 
+def test_a_ctrl_c_during_the_copies_on_write_comes_after_them_and_they_are_done_once():
+    """A batch of copies may read a block that an earlier copy of the same batch writes: here block b1 is the
+    source of a's copy, then freed (b, its last other reader, gone) and handed out again as the destination of c's
+    copy. Done once, the batch reads every source before it writes; done twice (a Ctrl-C between the copies and
+    their clearing left them due), a's new block would get c's data."""
+    engine = tiny_engine()
+    bm, kv = engine.block_manager, engine.runner.kv_cache
+    bm.allocate("a", [1, 2, 3, 4, 5], use_prefix_cache=False)
+    bm.fork("a", "b")  # a and b share their half-full second block
+    bm.allocate("c", [9, 9, 9, 9, 9], use_prefix_cache=False)
+    bm.fork("c", "d")
+    bm.append_slots("a", 6)  # its sixth token: a copy of the shared block
+    bm.free("b")
+    bm.append_slots("c", 6)
+    (a_src, a_dst), (c_src, c_dst) = bm.copies_due
+    assert c_dst == a_src  # the hazard
+    for block in (a_src, c_src):
+        kv.k[:, block], kv.v[:, block] = block, -block
+    real = kv.copy_blocks
+
+    def interrupted(copies):
+        real(copies)
+        signal.raise_signal(signal.SIGINT)
+
+    kv.copy_blocks = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine._copy_due_blocks()
+    kv.copy_blocks = real
+    engine._copy_due_blocks()  # the next launch's
+    assert (kv.k[:, a_dst] == a_src).all() and (kv.v[:, a_dst] == -a_src).all()
+    assert (kv.k[:, c_dst] == c_src).all() and not bm.copies_due
+
+
 def test_a_request_aborted_unheard_after_a_held_ctrl_c_leaves_no_output_behind():
     """A Ctrl-C held in a step's token checks keeps the step's outputs for the next step; a caller that then aborts
     its request without a report (a stream's clean-up) must not leave that output behind: the engine would not be
