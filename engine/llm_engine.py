@@ -316,7 +316,7 @@ class LLMEngine:
         A Ctrl-C in the host's bookkeeping (scheduling; appending the tokens, stop checks, outputs) takes effect at
         its end, so that no sequence is left half scheduled, or with a token appended but not checked (it would run
         past its stop or length); the step's outputs then come with the next step. The model run and the wait for
-        the GPU stay interruptible.
+        the GPU stay interruptible (a Ctrl-C in the wait for a CUDA event takes effect when the event is reached).
         """
         aborted, self._aborted = self._aborted, []
         outputs = None

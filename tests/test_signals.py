@@ -1,4 +1,4 @@
-"""engine/signals.py: work that must run whole holds SIGINT, SIGTERM and SIGHUP back, then delivers them to their handlers."""
+"""engine/signals.py: work that must run whole holds SIGINT, SIGTERM and SIGHUP back, then gives them to their handlers."""
 
 import asyncio
 import signal
