@@ -10,6 +10,8 @@ import signal
 import threading
 from contextlib import contextmanager
 
+import _signal  # signal.py's core: its wrappers try to make every handler an enum member, 10x the cost of a swap
+
 ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a service stopped, the terminal closed
 CTRL_C = (signal.SIGINT,)
 
@@ -19,14 +21,14 @@ def signals_deferred(signals=ENDING_SIGNALS):
     """The signals arriving while the block runs take effect when it ends: a handler of ours notes them and they go
     to the previous handlers once those are back. Main thread only (the only one that may set handlers; Python
     runs them there whichever thread the signal reached); a signal ignored, or whose handler Python did not set, is
-    left alone. (The engine holds back SIGINT alone, 2-3x cheaper, at every step: SIGTERM and SIGHUP end the
-    process there, which leaves nothing of it to keep consistent.)"""
+    left alone. (The engine holds back SIGINT alone at every step: SIGTERM and SIGHUP end the process there, which
+    leaves nothing of it to keep consistent.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     arrived = {}  # signal -> the frame it first arrived in
-    held = [s for s in signals if signal.getsignal(s) not in (None, signal.SIG_IGN)]
-    previous = {s: signal.signal(s, lambda signum, frame: arrived.setdefault(signum, frame)) for s in held}
+    held = [s for s in signals if _signal.getsignal(s) not in (None, signal.SIG_IGN)]
+    previous = {s: _signal.signal(s, lambda signum, frame: arrived.setdefault(signum, frame)) for s in held}
     try:
         yield
     finally:
@@ -34,7 +36,7 @@ def signals_deferred(signals=ENDING_SIGNALS):
         # must find the other handlers back (one left with our recorder would ignore its signal for good) and the
         # other signals delivered
         for s in sorted(previous, key=lambda s: s == signal.SIGINT):
-            signal.signal(s, previous[s])
+            _signal.signal(s, previous[s])
         for s in sorted(arrived, key=lambda s: s == signal.SIGINT):
             _deliver(s, previous[s], arrived[s])
 
