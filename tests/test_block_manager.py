@@ -532,3 +532,22 @@ def test_allocate_without_prefix_lookup_computes_everything_but_still_registers(
     bm.free("a")
     bm.free("b")
     assert bm.allocate("c", tokens) == 8  # both copies were registered; either serves the hit
+
+
+def test_copies_due_follow_append_slots_and_drop_with_their_destination():  # B01, B03, B04, B06
+    bm = BlockManager(8, block_size=4)
+    bm.allocate("a", [1, 2, 3, 4, 5])  # the second block half full
+    bm.fork("a", "b")
+    copies = bm.append_slots("b", 6)  # b writes into the shared block: a copy
+    assert len(copies) == 1 and bm.copies_due == copies
+    bm.fork("a", "c")
+    bm.free("c")  # a sequence without a copy due goes: nothing changes
+    assert bm.copies_due == copies
+    bm.free("a")  # the copy's source loses a reader; its destination is still b's
+    assert bm.copies_due == copies
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.fork("a", "d")
+    more = bm.append_slots("d", 6)
+    assert bm.copies_due == copies + more
+    bm.free("d")  # its request aborted before the copy was done; a still reads the source
+    assert bm.copies_due == copies

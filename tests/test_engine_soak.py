@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from eightbit import EngineConfig, LLMEngine, SamplingParams
+from eightbit import LLM, EngineConfig, LLMEngine, SamplingParams
 
 MAX_MODEL_LEN = 48
 MODEL = dict(model="llama-tiny", load_format="dummy", device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
@@ -334,3 +334,212 @@ def test_a_request_aborted_unheard_after_a_held_ctrl_c_leaves_no_output_behind()
     assert engine.has_unfinished_requests()  # a's output of that step, kept
     engine.abort("a", report=False)
     assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+# --- interrupts in each of the step's parts, abort and LLM's clean-up (from a mutation audit) ---
+
+
+def test_the_step_s_own_error_wins_over_a_failed_copy_in_its_clean_up(alone_engines):  # E05
+    engine = tiny_engine(async_scheduling=False)
+    engine.add_request("F", [1, 2, 3, 4, 5], SamplingParams(n=2, **GREEDY))
+    engine.step()
+    kv = engine.runner.kv_cache
+    real, errors = kv.copy_blocks, [RuntimeError("the device failed too"), KeyboardInterrupt()]
+
+    def copy_blocks(copies):
+        if errors:
+            raise errors.pop()
+        return real(copies)
+
+    kv.copy_blocks = copy_blocks
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.block_manager.copies_due
+    outputs = [out for _ in range(20) for out in engine.step() if out.finished]
+    want = run_alone(alone_engines("auto"), [1, 2, 3, 4, 5], SamplingParams(n=2, **GREEDY))
+    assert [o.token_ids for o in sorted(outputs[0].outputs, key=lambda o: o.index)] == want[0]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_blocks_handed_out_under_a_ctrl_c_stay_consistent(seed, alone_engines):  # E10 (and E08)
+    rng = random.Random(100 + seed)
+    alone_engine = alone_engines("auto")
+    requests = random_requests(rng, alone_engine, 16, ns=(1, 2, 2, 3))
+    config = random_config(rng, requests, "auto")
+    config.async_scheduling = True
+    engine = type(alone_engine)(config)
+    faults = random.Random(seed)
+    engine.block_manager._take_free = interrupt_sometimes(faults, engine.block_manager._take_free)
+    interrupts = []
+
+    def step():
+        while True:
+            try:
+                return engine.step()
+            except KeyboardInterrupt:
+                interrupts.append(1)
+
+    got, aborted = drive(engine, rng, requests, step)
+    for rid, prompt, params, _, _ in requests:
+        ids, reasons = got[rid]
+        if params.temperature == 0 and rid not in aborted:
+            want_ids, want_reasons = run_alone(alone_engine, prompt, params)
+            assert [ids[i] for i in range(params.n)] == want_ids
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks and not bm.copies_due
+
+
+def test_a_ctrl_c_inside_an_abort_finishes_every_sample_first():  # E13
+    engine = tiny_engine()
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert len(engine.requests["a"].seqs) == 3
+    real, calls = engine.scheduler.finish, []
+
+    def finish_then_ctrl_c(seq):
+        real(seq)
+        calls.append(seq)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    engine.scheduler.finish = finish_then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        engine.abort("a", report=False)
+    engine.scheduler.finish = real
+    assert len(calls) == 3 and not engine.scheduler.has_unfinished()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def held_ctrl_c_in_the_token_checks(engine):
+    real = engine._process_token
+
+    def interrupted(seq, token):
+        signal.raise_signal(signal.SIGINT)
+        return real(seq, token)
+
+    engine._process_token = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine._process_token = real
+
+
+def test_an_abort_reported_after_a_held_ctrl_c_keeps_the_step_s_delta():  # E15
+    engine = tiny_engine(async_scheduling=False)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), delta=True)
+    seq = engine.requests["a"].seqs[0]
+    got = [t for out in engine.step() for t in out.outputs[0].token_ids]
+    held_ctrl_c_in_the_token_checks(engine)  # the step's output (its new token) kept for the next step
+    engine.abort("a")
+    outs = engine.step()
+    got += [t for out in outs for t in out.outputs[0].token_ids]
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert got == seq.output_token_ids and len(got) == 2
+
+
+def test_a_request_that_finished_in_a_held_step_and_is_aborted_unheard_leaves_nothing():  # E17
+    engine = tiny_engine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    held_ctrl_c_in_the_token_checks(engine)  # a finishes in it; its final output kept for the next step
+    assert "a" not in engine.requests and engine.is_unreported("a")
+    engine.abort("a", report=False)  # the stream's clean-up: it still counted a as unfinished
+    assert not engine.is_unreported("a") and not engine.has_unfinished_requests() and engine.step() == []
+
+
+@pytest.mark.parametrize("where", ["model run", "tokens to host"])
+def test_the_model_run_and_the_wait_for_its_tokens_stay_interruptible(where):  # E28, E34
+    engine = tiny_engine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    owner, name = (engine.runner, "run") if where == "model run" else (engine, "_tokens_to_host")
+    real, reached = getattr(owner, name), []
+
+    def interrupted(*args):
+        signal.raise_signal(signal.SIGINT)
+        reached.append("past the Ctrl-C")
+        return real(*args)
+
+    setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    setattr(owner, name, real)
+    assert reached == []
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM(**MODEL, block_size=4, num_kv_blocks=64)
+
+
+def ctrl_c_at_the_first_finish(engine):
+    real, calls = engine.scheduler.finish, []
+
+    def finish(seq):
+        real(seq)
+        calls.append(seq)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    engine.scheduler.finish = finish
+    return lambda: setattr(engine.scheduler, "finish", real)
+
+
+def test_a_second_ctrl_c_in_generate_s_clean_up_leaves_none_of_its_requests(tiny_llm):  # L05
+    engine = tiny_llm.engine
+    real_step, steps = engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 2:
+            undo.append(ctrl_c_at_the_first_finish(engine))  # the second Ctrl-C comes in the first abort
+            raise KeyboardInterrupt
+        return real_step()
+
+    undo = []
+    engine.step = step
+    with pytest.raises(KeyboardInterrupt):
+        tiny_llm.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], SamplingParams(max_tokens=20, ignore_eos=True),
+                          use_tqdm=False)
+    engine.step = real_step
+    undo[0]()
+    assert not engine.requests and not engine.scheduler.has_unfinished()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_ctrl_c_while_a_bad_prompt_cancels_the_call_leaves_none_of_its_requests(tiny_llm):  # L03
+    engine = tiny_llm.engine
+    undo = ctrl_c_at_the_first_finish(engine)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tiny_llm.generate([[1, 2, 3], [4, 5, 6], []], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        undo()
+    assert not engine.requests and not engine.scheduler.has_unfinished()
+
+
+def test_a_ctrl_c_in_the_failed_step_s_copies_loses_no_abort_report():  # E07b
+    engine = tiny_engine(async_scheduling=False)
+    engine.add_request("F", [1, 2, 3, 4, 5], SamplingParams(n=2, **GREEDY))
+    engine.step()  # forked: the next step copies the shared block
+    engine.add_request("X", [9, 9, 9], SamplingParams(**GREEDY))
+    engine.abort("X")  # its final output waits for the next step
+    kv = engine.runner.kv_cache
+    real, errors = kv.copy_blocks, [KeyboardInterrupt(), RuntimeError("the device failed")]
+
+    def copy_blocks(copies):
+        if errors:
+            raise errors.pop()  # the launch's copy fails, then a Ctrl-C lands in the clean-up's
+        return real(copies)
+
+    kv.copy_blocks = copy_blocks
+    with pytest.raises(BaseException):
+        engine.step()
+    finished = {out.request_id: out for _ in range(20) for out in engine.step() if out.finished}
+    assert finished["X"].outputs[0].finish_reason == "abort" and "F" in finished
+    assert engine.block_manager.num_used_blocks == 0 and not engine.block_manager.copies_due

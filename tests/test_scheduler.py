@@ -1,5 +1,7 @@
 """The scheduler's arithmetic, without a model: budgets, chunking, decode-first order, preemption, priorities."""
 
+import pytest
+
 from eightbit import SamplingParams
 from eightbit.engine.block_manager import BlockManager
 from eightbit.engine.config import EngineConfig
@@ -140,3 +142,18 @@ def test_finish_frees_blocks():
     assert bm.num_used_blocks == 3
     sched.finish(seq)
     assert bm.num_used_blocks == 0 and not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("num_blocks, scheduled", [(3, False), (4, True)])
+def test_a_continuation_needs_a_free_block_for_each_sequence(num_blocks, scheduled):  # C03
+    sched, bm = make(num_blocks=num_blocks)
+    a, b = add(sched, 4), add(sched, 4, start=50)
+    out = sched.schedule()
+    for seq, n in out.scheduled:  # launched: the token of each is being sampled, the next goes into a new block
+        seq.num_computed_tokens += n
+    free = bm.num_free_blocks
+    cont = sched.schedule_continuation([a, b], [a, b])
+    if scheduled:
+        assert [(s, n) for s, n in cont.scheduled] == [(a, 1), (b, 1)] and bm.num_free_blocks == free - 2
+    else:
+        assert cont is None and bm.num_free_blocks == free

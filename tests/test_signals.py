@@ -1,4 +1,4 @@
-"""engine/signals.py: work that must run whole holds SIGINT, SIGTERM and SIGHUP back, then gives them to their handlers."""
+"""engine/signals.py: work that must run whole holds SIGINT, SIGTERM and SIGHUP back, then hands them on."""
 
 import asyncio
 import signal
@@ -116,3 +116,48 @@ def test_a_held_signal_s_handler_gets_the_frame_it_arrived_in():
         assert frames == [here]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_an_error_in_the_block_puts_the_handlers_back_and_a_held_ctrl_c_still_comes():  # S08
+    with pytest.raises(ZeroDivisionError):
+        with signals_deferred():
+            1 / 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with signals_deferred():
+            signal.raise_signal(signal.SIGINT)
+            1 / 0
+    assert isinstance(raised.value.__context__, ZeroDivisionError)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_the_moment_its_handler_is_back_finds_the_others_back(monkeypatch):  # S04
+    import eightbit.engine.signals as signals_module
+
+    core = getattr(signals_module, "_signal", signal)  # what the module sets handlers through
+    real = core.signal
+
+    def set_then_ctrl_c(s, handler):
+        old = real(s, handler)
+        if s == signal.SIGINT and handler is signal.default_int_handler:
+            signal.raise_signal(signal.SIGINT)
+        return old
+
+    monkeypatch.setattr(core, "signal", set_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            pass
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+def test_a_signal_arriving_twice_in_a_block_is_handled_once():  # S06
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with signals_deferred():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
