@@ -534,7 +534,7 @@ def test_allocate_without_prefix_lookup_computes_everything_but_still_registers(
     assert bm.allocate("c", tokens) == 8  # both copies were registered; either serves the hit
 
 
-def test_copies_due_follow_append_slots_and_drop_with_their_destination():  # B01, B03, B04, B06
+def test_copies_due_follow_append_slots_and_drop_with_their_destination():
     bm = BlockManager(8, block_size=4)
     bm.allocate("a", [1, 2, 3, 4, 5])  # the second block half full
     bm.fork("a", "b")

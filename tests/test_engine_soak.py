@@ -339,7 +339,7 @@ def test_a_request_aborted_unheard_after_a_held_ctrl_c_leaves_no_output_behind()
 # --- interrupts in each of the step's parts, abort and LLM's clean-up (from a mutation audit) ---
 
 
-def test_the_step_s_own_error_wins_over_a_failed_copy_in_its_clean_up(alone_engines):  # E05
+def test_the_step_s_own_error_wins_over_a_failed_copy_in_its_clean_up(alone_engines):
     engine = tiny_engine(async_scheduling=False)
     engine.add_request("F", [1, 2, 3, 4, 5], SamplingParams(n=2, **GREEDY))
     engine.step()
@@ -361,7 +361,7 @@ def test_the_step_s_own_error_wins_over_a_failed_copy_in_its_clean_up(alone_engi
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_blocks_handed_out_under_a_ctrl_c_stay_consistent(seed, alone_engines):  # E10 (and E08)
+def test_blocks_handed_out_under_a_ctrl_c_stay_consistent(seed, alone_engines):
     rng = random.Random(100 + seed)
     alone_engine = alone_engines("auto")
     requests = random_requests(rng, alone_engine, 16, ns=(1, 2, 2, 3))
@@ -390,7 +390,7 @@ def test_blocks_handed_out_under_a_ctrl_c_stay_consistent(seed, alone_engines): 
     assert bm.num_free_blocks == bm.num_blocks and not bm.copies_due
 
 
-def test_a_ctrl_c_inside_an_abort_finishes_every_sample_first():  # E13
+def test_a_ctrl_c_inside_an_abort_finishes_every_sample_first():
     engine = tiny_engine()
     engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=20, ignore_eos=True))
     engine.step()
@@ -424,7 +424,7 @@ def held_ctrl_c_in_the_token_checks(engine):
     engine._process_token = real
 
 
-def test_an_abort_reported_after_a_held_ctrl_c_keeps_the_step_s_delta():  # E15
+def test_an_abort_reported_after_a_held_ctrl_c_keeps_the_step_s_delta():
     engine = tiny_engine(async_scheduling=False)
     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), delta=True)
     seq = engine.requests["a"].seqs[0]
@@ -437,7 +437,7 @@ def test_an_abort_reported_after_a_held_ctrl_c_keeps_the_step_s_delta():  # E15
     assert got == seq.output_token_ids and len(got) == 2
 
 
-def test_a_request_that_finished_in_a_held_step_and_is_aborted_unheard_leaves_nothing():  # E17
+def test_a_request_that_finished_in_a_held_step_and_is_aborted_unheard_leaves_nothing():
     engine = tiny_engine()
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()
@@ -448,7 +448,7 @@ def test_a_request_that_finished_in_a_held_step_and_is_aborted_unheard_leaves_no
 
 
 @pytest.mark.parametrize("where", ["model run", "tokens to host"])
-def test_the_model_run_and_the_wait_for_its_tokens_stay_interruptible(where):  # E28, E34
+def test_the_model_run_and_the_wait_for_its_tokens_stay_interruptible(where):
     engine = tiny_engine()
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()
@@ -490,7 +490,7 @@ def ctrl_c_at_the_first_finish(engine):
     return lambda: setattr(engine.scheduler, "finish", real)
 
 
-def test_a_second_ctrl_c_in_generate_s_clean_up_leaves_none_of_its_requests(tiny_llm):  # L05
+def test_a_second_ctrl_c_in_generate_s_clean_up_leaves_none_of_its_requests(tiny_llm):
     engine = tiny_llm.engine
     real_step, steps = engine.step, []
 
@@ -512,7 +512,7 @@ def test_a_second_ctrl_c_in_generate_s_clean_up_leaves_none_of_its_requests(tiny
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_a_ctrl_c_while_a_bad_prompt_cancels_the_call_leaves_none_of_its_requests(tiny_llm):  # L03
+def test_a_ctrl_c_while_a_bad_prompt_cancels_the_call_leaves_none_of_its_requests(tiny_llm):
     engine = tiny_llm.engine
     undo = ctrl_c_at_the_first_finish(engine)
     try:
@@ -523,7 +523,7 @@ def test_a_ctrl_c_while_a_bad_prompt_cancels_the_call_leaves_none_of_its_request
     assert not engine.requests and not engine.scheduler.has_unfinished()
 
 
-def test_a_ctrl_c_in_the_failed_step_s_copies_loses_no_abort_report():  # E07b
+def test_a_ctrl_c_in_the_failed_step_s_copies_loses_no_abort_report():
     engine = tiny_engine(async_scheduling=False)
     engine.add_request("F", [1, 2, 3, 4, 5], SamplingParams(n=2, **GREEDY))
     engine.step()  # forked: the next step copies the shared block

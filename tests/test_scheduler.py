@@ -145,7 +145,7 @@ def test_finish_frees_blocks():
 
 
 @pytest.mark.parametrize("num_blocks, scheduled", [(3, False), (4, True)])
-def test_a_continuation_needs_a_free_block_for_each_sequence(num_blocks, scheduled):  # C03
+def test_a_continuation_needs_a_free_block_for_each_sequence(num_blocks, scheduled):
     sched, bm = make(num_blocks=num_blocks)
     a, b = add(sched, 4), add(sched, 4, start=50)
     out = sched.schedule()
