@@ -988,6 +988,24 @@ def test_non_stream_disconnect_aborts(server):
     assert not in_process(server) or not server.async_engine.engine.requests
 
 
+def test_a_client_gone_while_its_body_is_read_counts_as_499_not_400(server):
+    """Half a body sent, then the socket closed: FastAPI reports the disconnect as a body it could not parse."""
+    import socket
+
+    counter = 'eightbit_http_responses_total{endpoint="/v1/completions",status="%d"}'
+    before = metrics(server)
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
+    with socket.create_connection((server.host, server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
+    deadline = time.monotonic() + 10
+    while metrics(server).get(counter % 499, 0) == before.get(counter % 499, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = metrics(server)
+    assert after.get(counter % 499, 0) == before.get(counter % 499, 0) + 1
+    assert after.get(counter % 400, 0) == before.get(counter % 400, 0)
+
+
 def test_overload_503_with_retry_after_then_served(server, offline):
     state = server.app.state.server
     ref = offline.generate(PROMPTS, greedy(4), use_tqdm=False)

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from eightbit.engine.chat import render_chat
 from eightbit.engine.sampling_params import SamplingParams
@@ -753,6 +754,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, max_queue: int | None 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, ClientDisconnect):  # gone while its body was read: no bad body, and nobody to tell
+            return Response(status_code=499)
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = str(e.detail)
         if e.status_code == 400 and e.__cause__ is not None:  # FastAPI's "There was an error parsing the body"
