@@ -319,13 +319,8 @@ def test_a_ctrl_c_during_the_copies_on_write_comes_after_them_and_they_are_done_
     assert (kv.k[:, c_dst] == c_src).all() and not bm.copies_due
 
 
-def test_a_request_aborted_unheard_after_a_held_ctrl_c_leaves_no_output_behind():
-    """A Ctrl-C held in a step's token checks keeps the step's outputs for the next step; a caller that then aborts
-    its request without a report (a stream's clean-up) must not leave that output behind: the engine would not be
-    idle, and the next step would report a request that no longer exists."""
-    engine = tiny_engine()
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.step()
+def held_ctrl_c_in_the_token_checks(engine):
+    """A step whose token checks get a Ctrl-C, held to their end: the step's outputs are kept for the next."""
     real = engine._process_token
 
     def interrupted(seq, token):
@@ -336,6 +331,16 @@ def test_a_request_aborted_unheard_after_a_held_ctrl_c_leaves_no_output_behind()
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     engine._process_token = real
+
+
+def test_a_request_aborted_unheard_after_a_held_ctrl_c_leaves_no_output_behind():
+    """A Ctrl-C held in a step's token checks keeps the step's outputs for the next step; a caller that then aborts
+    its request without a report (a stream's clean-up) must not leave that output behind: the engine would not be
+    idle, and the next step would report a request that no longer exists."""
+    engine = tiny_engine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    held_ctrl_c_in_the_token_checks(engine)
     assert engine.has_unfinished_requests()  # a's output of that step, kept
     engine.abort("a", report=False)
     assert not engine.has_unfinished_requests() and engine.step() == []
@@ -365,38 +370,31 @@ def test_the_step_s_own_error_wins_over_a_failed_copy_in_its_clean_up(alone_engi
     assert [o.token_ids for o in sorted(outputs[0].outputs, key=lambda o: o.index)] == want[0]
 
 
-def test_a_ctrl_c_inside_an_abort_finishes_every_sample_first():
-    engine = tiny_engine()
-    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=20, ignore_eos=True))
-    engine.step()
-    assert len(engine.requests["a"].seqs) == 3
+def ctrl_c_at_the_first_finish(engine):
+    """A Ctrl-C right after the first sequence the scheduler finishes; returns the undo."""
     real, calls = engine.scheduler.finish, []
 
-    def finish_then_ctrl_c(seq):
+    def finish(seq):
         real(seq)
         calls.append(seq)
         if len(calls) == 1:
             signal.raise_signal(signal.SIGINT)
 
-    engine.scheduler.finish = finish_then_ctrl_c
+    engine.scheduler.finish = finish
+    return lambda: setattr(engine.scheduler, "finish", real)
+
+
+def test_a_ctrl_c_inside_an_abort_finishes_every_sample_first():
+    engine = tiny_engine()
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert len(engine.requests["a"].seqs) == 3
+    undo = ctrl_c_at_the_first_finish(engine)
     with pytest.raises(KeyboardInterrupt):
         engine.abort("a", report=False)
-    engine.scheduler.finish = real
-    assert len(calls) == 3 and not engine.scheduler.has_unfinished()
+    undo()
+    assert not engine.scheduler.has_unfinished() and "a" not in engine.requests
     assert engine.block_manager.num_used_blocks == 0
-
-
-def held_ctrl_c_in_the_token_checks(engine):
-    real = engine._process_token
-
-    def interrupted(seq, token):
-        signal.raise_signal(signal.SIGINT)
-        return real(seq, token)
-
-    engine._process_token = interrupted
-    with pytest.raises(KeyboardInterrupt):
-        engine.step()
-    engine._process_token = real
 
 
 def test_an_abort_reported_after_a_held_ctrl_c_keeps_the_step_s_delta():
@@ -450,19 +448,6 @@ def test_the_model_run_and_the_wait_for_its_tokens_stay_interruptible(where):
 @pytest.fixture(scope="module")
 def tiny_llm():
     return LLM(**MODEL, block_size=4, num_kv_blocks=64)
-
-
-def ctrl_c_at_the_first_finish(engine):
-    real, calls = engine.scheduler.finish, []
-
-    def finish(seq):
-        real(seq)
-        calls.append(seq)
-        if len(calls) == 1:
-            signal.raise_signal(signal.SIGINT)
-
-    engine.scheduler.finish = finish
-    return lambda: setattr(engine.scheduler, "finish", real)
 
 
 def test_a_second_ctrl_c_in_generate_s_clean_up_leaves_none_of_its_requests(tiny_llm):
