@@ -344,7 +344,6 @@ class LLMEngine:
             # a request that finished in this step before the failure still reports its end (its stream would wait)
             self._aborted += [self._output(r, {}) for r in list(self.requests.values()) if r.is_finished]
             self._resample_lost_tokens()
-            self._copy_due_blocks(after_failure=True)  # last: if they fail too, they stay due for the next launch
             raise
 
     def _resample_lost_tokens(self):
@@ -358,22 +357,17 @@ class LLMEngine:
             if not seq.is_finished and seq.num_computed_tokens >= seq.num_tokens:
                 seq.num_computed_tokens = seq.num_tokens - 1
 
-    def _copy_due_blocks(self, after_failure=False):
-        """Do the copy-on-write copies the block manager has handed out (KVCache.copy_blocks): before every step,
-        and at once after a step that failed, whose block tables point at the copies already, so that no copy is
-        lost between the schedule and the model run. The copies and their clearing hold Ctrl-C back: a batch done
-        twice could copy a block that an earlier copy of it had already overwritten. A copy whose destination was
-        freed meanwhile (its request aborted) is dropped by the block manager."""
+    def _copy_due_blocks(self):
+        """Do the copy-on-write copies the block manager has handed out (KVCache.copy_blocks) before the model run
+        that reads them. Copies that did not run (a step that failed or was interrupted first) stay due for the next
+        launch; nothing writes the cache in between, and a copy whose destination was freed meanwhile (its request
+        aborted or preempted) is dropped by the block manager. The copies and their clearing hold Ctrl-C back: a
+        batch done twice could copy a block that an earlier copy of it had already overwritten."""
         due = self.block_manager.copies_due
         if not due:
             return
         with signals_deferred(CTRL_C):
-            try:
-                self.runner.kv_cache.copy_blocks(due)
-            except Exception:
-                if not after_failure:
-                    raise
-                return  # the device itself failed (the step's own error follows); the copies stay due
+            self.runner.kv_cache.copy_blocks(due)
             due.clear()
 
     def _launch(self, scheduled, input_tokens=None) -> LaunchedStep:
