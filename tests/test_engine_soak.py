@@ -422,8 +422,6 @@ def test_the_model_run_and_the_wait_for_its_tokens_stay_interruptible(where):
     assert engine.block_manager.num_used_blocks == 0
 
 
-
-
 @pytest.fixture(scope="module")
 def tiny_llm():
     return LLM(**MODEL, block_size=4, num_kv_blocks=64)

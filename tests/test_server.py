@@ -8,6 +8,7 @@ offline `LLM` in this process is the reference for greedy outputs.
 
 import asyncio
 import json
+import socket
 import statistics
 import threading
 import time
@@ -70,6 +71,14 @@ def wait_idle(server, timeout=10.0) -> dict:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+def wait_for_change(server, name, before, timeout=10.0) -> dict:
+    """Poll /metrics until counter `name` is no longer `before` (or the timeout passes); returns the metrics."""
+    deadline = time.monotonic() + timeout
+    while (m := metrics(server)).get(name, 0) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return m
 
 
 def post(server, path, body, **kw):
@@ -978,10 +987,7 @@ def test_non_stream_disconnect_aborts(server):
         post(server, "/v1/completions", body, timeout=httpx.Timeout(60, read=1.0))
     # the client may give up before its request reaches the engine (a slow machine): wait for the handler to see
     # the disconnect (it aborts its request, then answers 499) before asking whether the engine is idle
-    deadline = time.monotonic() + 10
-    while metrics(server).get(closed, 0) == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metrics(server).get(closed, 0) == before + 1
+    assert wait_for_change(server, closed, before).get(closed, 0) == before + 1
     idle = wait_idle(server)
     assert idle["eightbit_num_requests_running"] == 0 and idle["eightbit_kv_cache_blocks_used"] == 0
     assert server.app.state.server.num_queued == 0
@@ -990,18 +996,13 @@ def test_non_stream_disconnect_aborts(server):
 
 def test_a_client_gone_while_its_body_is_read_counts_as_499_not_400(server):
     """Half a body sent, then the socket closed: FastAPI reports the disconnect as a body it could not parse."""
-    import socket
-
     counter = 'eightbit_http_responses_total{endpoint="/v1/completions",status="%d"}'
     before = metrics(server)
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
     with socket.create_connection((server.host, server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
-    deadline = time.monotonic() + 10
-    while metrics(server).get(counter % 499, 0) == before.get(counter % 499, 0) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    after = metrics(server)
+    after = wait_for_change(server, counter % 499, before.get(counter % 499, 0))
     assert after.get(counter % 499, 0) == before.get(counter % 499, 0) + 1
     assert after.get(counter % 400, 0) == before.get(counter % 400, 0)
 
@@ -1137,8 +1138,6 @@ def test_engine_loop_thread_does_the_engine_work(server):
 
 @pytest.mark.parametrize("port, message", [(99999, "must be in"), (None, "cannot listen")])
 def test_serve_rejects_a_port_it_cannot_listen_on_before_loading(port, message, capsys, monkeypatch):
-    import socket
-
     import eightbit.engine.llm_engine as llm_engine
     from eightbit.cli import main as cli_main
 

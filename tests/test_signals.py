@@ -134,7 +134,7 @@ def test_an_error_in_the_block_puts_the_handlers_back_and_a_held_ctrl_c_still_co
 def test_a_ctrl_c_the_moment_its_handler_is_back_finds_the_others_back(monkeypatch):
     import eightbit.engine.signals as signals_module
 
-    core = getattr(signals_module, "_signal", signal)  # what the module sets handlers through
+    core = signals_module._signal  # what the module sets handlers through
     real = core.signal
 
     def set_then_ctrl_c(s, handler):
